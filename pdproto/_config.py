@@ -1,0 +1,111 @@
+"""Configuration of the reference model and its variants: sizes and fault
+budgets.  Faults are actions; each kind may happen at most its budget times
+in one run."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import attrs
+
+from ._errors import UsageError
+from ._history import POLICIES
+
+__all__ = ["FAULT_KINDS", "ModelConfig", "parse_faults"]
+
+#: Every fault kind, in the order drivers report them.
+FAULT_KINDS = (
+    "cancel",  # the client cancels the request, at any phase
+    "dup",  # a control message is delivered twice
+    "loss",  # a control message is lost
+    "reorder",  # a control message other than the oldest is delivered next
+    "restart",  # a P or D worker crashes and comes back with a new incarnation
+    "timeout",  # a timer or lease expires
+    "transfer_fail",  # the data plane fails a transfer
+    "retry",  # the router retries a failed generation as a new one
+)
+
+
+def _faults(value: Mapping[str, int] | None) -> Mapping[str, int]:
+    out = {kind: 0 for kind in FAULT_KINDS}
+    for kind, budget in (value or {}).items():
+        if kind not in out:
+            raise UsageError("fault kind", kind, "one of " + ", ".join(FAULT_KINDS))
+        if type(budget) is not int or budget < 0:
+            raise UsageError(f"budget of fault {kind!r}", budget, "an integer >= 0")
+        out[kind] = budget
+    return out
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if type(value) is not int or value < 1:
+        raise UsageError(attribute.name, value, "an integer >= 1")
+
+
+def _mode(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in POLICIES:
+        raise UsageError("mode", value, " or ".join(POLICIES))
+
+
+@attrs.frozen
+class ModelConfig:
+    """Sizes and fault budgets of one run of a handoff model.
+
+    ``mode`` is the protocol family: ``"push"`` (reserve D blocks first, P
+    writes into D) or ``"pull"`` (prefill first, D reserves and reads from P).
+    ``blocks`` is the pool size of every worker; a request's prompt of
+    ``prompt_len`` tokens fills ``ceil(prompt_len / block_size)`` blocks.
+    ``faults`` maps each kind of :data:`FAULT_KINDS` to its budget (missing
+    kinds are 0).
+    """
+
+    mode: str = attrs.field(default="push", validator=_mode)
+    requests: int = attrs.field(default=2, validator=_positive)
+    prefill_workers: int = attrs.field(default=1, validator=_positive)
+    decode_workers: int = attrs.field(default=1, validator=_positive)
+    blocks: int = attrs.field(default=2, validator=_positive)
+    block_size: int = attrs.field(default=4, validator=_positive)
+    prompt_len: int = attrs.field(default=3, validator=_positive)
+    max_new_tokens: int = attrs.field(default=2, validator=_positive)
+    faults: Mapping[str, int] = attrs.field(factory=dict, converter=_faults, hash=False)
+
+    def __hash__(self) -> int:  # faults is a dict; hash its items
+        return hash((self.mode, self.requests, self.prefill_workers, self.decode_workers,
+                     self.blocks, self.block_size, self.prompt_len, self.max_new_tokens,
+                     tuple(sorted(self.faults.items()))))
+
+    @property
+    def blocks_per_request(self) -> int:
+        return -(-self.prompt_len // self.block_size)
+
+    def budget(self, kind: str) -> int:
+        return self.faults[kind]
+
+    def with_faults(self, **budgets: int) -> "ModelConfig":
+        return attrs.evolve(self, faults={**self.faults, **budgets})
+
+    @classmethod
+    def all_faults(cls, budget: int = 1, **kwargs: object) -> "ModelConfig":
+        """A configuration with every fault kind at ``budget``."""
+        return cls(faults={kind: budget for kind in FAULT_KINDS}, **kwargs)  # type: ignore[arg-type]
+
+
+def parse_faults(text: str) -> dict[str, int]:
+    """Parse ``"cancel=1,dup=2"`` (also ``"all=1"`` and ``"none"``) into budgets."""
+    text = text.strip()
+    if text in ("", "none"):
+        return {kind: 0 for kind in FAULT_KINDS}
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        name = name.strip()
+        if not sep or not value.strip().isdigit():
+            raise UsageError("--faults entry", part.strip(), "KIND=N with N an integer >= 0, e.g. cancel=1,dup=1")
+        budget = int(value)
+        if name == "all":
+            out.update({kind: budget for kind in FAULT_KINDS})
+        elif name in FAULT_KINDS:
+            out[name] = budget
+        else:
+            raise UsageError("fault kind", name, "all or one of " + ", ".join(FAULT_KINDS))
+    return out

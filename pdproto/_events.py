@@ -1,0 +1,405 @@
+"""History events, format version 1: one frozen class per event kind.
+
+An event is a small immutable value.  ``Event.to_dict()`` gives its JSON
+object (``"ev"`` first) and :func:`event_from_dict` parses and strictly
+validates one; unknown extra keys (a timestamp ``"t"``, a ``"rank"``) are kept
+in ``extra`` and written back unchanged.
+
+The field specification in each class's ``FIELDS`` is the single source of
+truth for validation, serialisation and the documentation table.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping
+
+import attrs
+
+from ._errors import HistoryFormatError
+
+__all__ = [
+    "Event",
+    "Submit",
+    "Reserve",
+    "PrefillStart",
+    "PrefillDone",
+    "Alloc",
+    "TransferStart",
+    "TransferReadDone",
+    "TransferWriteDone",
+    "TransferFailed",
+    "TransferAbort",
+    "Commit",
+    "Decode",
+    "Finish",
+    "Cancel",
+    "Fail",
+    "Free",
+    "Restart",
+    "EVENT_TYPES",
+    "event_from_dict",
+]
+
+# Field kinds.  Each kind has a checker returning the normalised value or
+# raising ValueError with what was expected.
+_STR = "str"  # a non-empty string
+_NAT = "nat"  # an int >= 0 (bool is not an int here)
+_BLOCKS = "blocks"  # a list of ints >= 0, stored as a tuple
+_OPT_STR = "str?"
+_OPT_NAT = "nat?"
+
+_EXPECT = {
+    _STR: "a non-empty string",
+    _NAT: "an integer >= 0",
+    _BLOCKS: "a list of integers >= 0 (block ids)",
+    _OPT_STR: "a non-empty string",
+    _OPT_NAT: "an integer >= 0",
+}
+
+
+def _is_nat(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _check(kind: str, value: object) -> object:
+    if kind in (_STR, _OPT_STR):
+        if type(value) is str and value:
+            return value
+    elif kind in (_NAT, _OPT_NAT):
+        if _is_nat(value):
+            return value
+    elif kind == _BLOCKS:
+        if type(value) in (list, tuple) and all(_is_nat(b) for b in value):
+            return tuple(value)
+    raise ValueError(_EXPECT[kind])
+
+
+def _blocks(value: Any) -> tuple[int, ...]:
+    return value if type(value) is tuple else tuple(value)
+
+
+def _event(cls: type) -> type:
+    """Make ``cls`` a frozen, slotted attrs event class."""
+    return attrs.frozen(cls, cache_hash=False)
+
+
+class Event:
+    """Base of every history event.
+
+    ``EV`` is the ``"ev"`` name of the kind and ``FIELDS`` maps each field to
+    its kind (``str``, ``nat``, ``blocks``, or optional ``str?`` / ``nat?``).
+    ``extra`` holds unknown keys read from a history; it takes no part in
+    hashing and is written back by :meth:`to_dict`.
+    """
+
+    __slots__ = ()
+    EV: ClassVar[str] = ""
+    FIELDS: ClassVar[Mapping[str, str]] = {}
+    DOC: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event's JSON object: ``"ev"`` first, optional fields left out
+        when unset, block tuples as lists, extra keys last."""
+        out: dict[str, Any] = {"ev": self.EV}
+        for name, kind in self.FIELDS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            out[name] = list(value) if kind == _BLOCKS else value
+        extra = self.extra  # type: ignore[attr-defined]
+        if extra:
+            for key, value in extra.items():
+                out.setdefault(key, value)
+        return out
+
+    @property
+    def gen_key(self) -> tuple[str, int] | None:
+        """``(request, gen)`` when the event names a generation, else None."""
+        request = getattr(self, "request", None)
+        gen = getattr(self, "gen", None)
+        if request is None or gen is None:
+            return None
+        return (request, gen)
+
+
+_EXTRA = attrs.field(factory=dict, kw_only=True, hash=False, repr=False)
+
+
+@_event
+class Submit(Event):
+    EV = "submit"
+    FIELDS = {"request": _STR, "gen": _NAT, "prompt_len": _NAT, "max_new_tokens": _OPT_NAT}
+    DOC = "a generation of a request enters"
+    request: str
+    gen: int
+    prompt_len: int
+    max_new_tokens: int | None = None
+    extra: dict = _EXTRA
+
+
+@_event
+class Reserve(Event):
+    EV = "reserve"
+    FIELDS = {"request": _STR, "gen": _NAT, "ticket": _STR, "worker": _STR, "blocks": _BLOCKS}
+    DOC = "D-side target blocks reserved for this handoff under a ticket"
+    request: str
+    gen: int
+    ticket: str
+    worker: str
+    blocks: tuple[int, ...] = attrs.field(converter=_blocks)
+    extra: dict = _EXTRA
+
+
+@_event
+class PrefillStart(Event):
+    EV = "prefill_start"
+    FIELDS = {"request": _STR, "gen": _NAT, "worker": _STR, "blocks": _BLOCKS}
+    DOC = "P allocates source blocks and starts prefill"
+    request: str
+    gen: int
+    worker: str
+    blocks: tuple[int, ...] = attrs.field(converter=_blocks)
+    extra: dict = _EXTRA
+
+
+@_event
+class PrefillDone(Event):
+    EV = "prefill_done"
+    FIELDS = {
+        "request": _STR,
+        "gen": _NAT,
+        "worker": _STR,
+        "first_token": _NAT,
+        "processed_len": _NAT,
+    }
+    DOC = "prefill over; first token sampled (it is not in the KV)"
+    request: str
+    gen: int
+    worker: str
+    first_token: int
+    processed_len: int
+    extra: dict = _EXTRA
+
+
+@_event
+class Alloc(Event):
+    EV = "alloc"
+    FIELDS = {"request": _STR, "gen": _NAT, "worker": _STR, "blocks": _BLOCKS}
+    DOC = "any other allocation (for example D blocks for decode growth)"
+    request: str
+    gen: int
+    worker: str
+    blocks: tuple[int, ...] = attrs.field(converter=_blocks)
+    extra: dict = _EXTRA
+
+
+@_event
+class TransferStart(Event):
+    EV = "transfer_start"
+    FIELDS = {
+        "transfer": _STR,
+        "ticket": _STR,
+        "request": _STR,
+        "gen": _NAT,
+        "src": _STR,
+        "src_blocks": _BLOCKS,
+        "dst": _STR,
+        "dst_blocks": _BLOCKS,
+    }
+    DOC = "the data plane starts reading src_blocks and writing dst_blocks"
+    transfer: str
+    ticket: str
+    request: str
+    gen: int
+    src: str
+    src_blocks: tuple[int, ...] = attrs.field(converter=_blocks)
+    dst: str
+    dst_blocks: tuple[int, ...] = attrs.field(converter=_blocks)
+    extra: dict = _EXTRA
+
+
+@_event
+class TransferReadDone(Event):
+    EV = "transfer_read_done"
+    FIELDS = {"transfer": _STR}
+    DOC = "no more reads of the source will happen"
+    transfer: str
+    extra: dict = _EXTRA
+
+
+@_event
+class TransferWriteDone(Event):
+    EV = "transfer_write_done"
+    FIELDS = {"transfer": _STR}
+    DOC = "every write into the target has landed"
+    transfer: str
+    extra: dict = _EXTRA
+
+
+@_event
+class TransferFailed(Event):
+    EV = "transfer_failed"
+    FIELDS = {"transfer": _STR}
+    DOC = "the transfer stopped without success; no read or write of it can still happen"
+    transfer: str
+    extra: dict = _EXTRA
+
+
+@_event
+class TransferAbort(Event):
+    EV = "transfer_abort"
+    FIELDS = {"transfer": _STR}
+    DOC = "an abort was requested; reads and writes may still be in flight"
+    transfer: str
+    extra: dict = _EXTRA
+
+
+@_event
+class Commit(Event):
+    EV = "commit"
+    FIELDS = {"request": _STR, "gen": _NAT, "ticket": _STR, "worker": _STR}
+    DOC = "D takes decode ownership"
+    request: str
+    gen: int
+    ticket: str
+    worker: str
+    extra: dict = _EXTRA
+
+
+@_event
+class Decode(Event):
+    EV = "decode"
+    FIELDS = {
+        "request": _STR,
+        "gen": _NAT,
+        "worker": _STR,
+        "position": _NAT,
+        "input_token": _NAT,
+        "output_token": _NAT,
+        "blocks": _BLOCKS,
+    }
+    DOC = "one decode step that read blocks"
+    request: str
+    gen: int
+    worker: str
+    position: int
+    input_token: int
+    output_token: int
+    blocks: tuple[int, ...] = attrs.field(converter=_blocks)
+    extra: dict = _EXTRA
+
+
+@_event
+class Finish(Event):
+    EV = "finish"
+    FIELDS = {"request": _STR, "gen": _NAT, "reason": _OPT_STR}
+    DOC = "the generation ends normally"
+    request: str
+    gen: int
+    reason: str | None = None
+    extra: dict = _EXTRA
+
+
+@_event
+class Cancel(Event):
+    EV = "cancel"
+    FIELDS = {"request": _STR, "gen": _NAT, "reason": _OPT_STR}
+    DOC = "the generation ends: cancelled by the client"
+    request: str
+    gen: int
+    reason: str | None = None
+    extra: dict = _EXTRA
+
+
+@_event
+class Fail(Event):
+    EV = "fail"
+    FIELDS = {"request": _STR, "gen": _NAT, "reason": _OPT_STR}
+    DOC = "the generation ends: given up by the system"
+    request: str
+    gen: int
+    reason: str | None = None
+    extra: dict = _EXTRA
+
+
+@_event
+class Free(Event):
+    EV = "free"
+    FIELDS = {"worker": _STR, "blocks": _BLOCKS, "request": _OPT_STR, "gen": _OPT_NAT}
+    DOC = "blocks returned to the pool"
+    worker: str
+    blocks: tuple[int, ...] = attrs.field(converter=_blocks)
+    request: str | None = None
+    gen: int | None = None
+    extra: dict = _EXTRA
+
+
+@_event
+class Restart(Event):
+    EV = "restart"
+    FIELDS = {"worker": _STR, "incarnation": _NAT}
+    DOC = "the worker crashed and came back; all its memory is gone"
+    worker: str
+    incarnation: int
+    extra: dict = _EXTRA
+
+
+EVENT_TYPES: Mapping[str, type[Event]] = {
+    cls.EV: cls
+    for cls in (
+        Submit,
+        Reserve,
+        PrefillStart,
+        PrefillDone,
+        Alloc,
+        TransferStart,
+        TransferReadDone,
+        TransferWriteDone,
+        TransferFailed,
+        TransferAbort,
+        Commit,
+        Decode,
+        Finish,
+        Cancel,
+        Fail,
+        Free,
+        Restart,
+    )
+}
+
+
+def event_from_dict(obj: object) -> Event:
+    """Parse one event object, strictly.
+
+    Raises :class:`HistoryFormatError` (without a line; the reader adds it)
+    naming the field and the offending value.
+    """
+    if not isinstance(obj, dict):
+        raise HistoryFormatError(
+            f"expected a JSON object, got {type(obj).__name__} {obj!r:.80}", value=obj
+        )
+    if "ev" not in obj:
+        raise HistoryFormatError("missing required field", field="ev")
+    ev = obj["ev"]
+    cls = EVENT_TYPES.get(ev) if isinstance(ev, str) else None
+    if cls is None:
+        raise HistoryFormatError(
+            f"unknown event kind {ev!r}; expected one of {', '.join(EVENT_TYPES)}",
+            field="ev",
+            value=ev,
+        )
+    kwargs: dict[str, Any] = {}
+    for name, kind in cls.FIELDS.items():
+        if name not in obj or (obj[name] is None and kind.endswith("?")):
+            if kind.endswith("?"):
+                continue
+            raise HistoryFormatError(f"missing required field of {ev!r}", field=name)
+        value = obj[name]
+        try:
+            kwargs[name] = _check(kind, value)
+        except ValueError as exc:
+            raise HistoryFormatError(
+                f"{ev}.{name} must be {exc}, got {value!r:.80}", field=name, value=value
+            ) from None
+    extra = {k: v for k, v in obj.items() if k != "ev" and k not in cls.FIELDS}
+    return cls(**kwargs, extra=extra)

@@ -1,0 +1,979 @@
+"""The monitor: the specification of a correct handoff, as a history checker.
+
+It reads events one at a time and reports violations of named invariants.
+It shares no logic with any model: models emit events, the monitor judges
+them.  Everything here is derived from the history alone.
+
+Terms (see docs/invariants.md):
+
+- a transfer is *in flight for reading* from ``transfer_start`` until
+  ``transfer_read_done`` or ``transfer_failed``, and *in flight for writing*
+  until ``transfer_write_done`` or ``transfer_failed``;
+- a generation is *terminal* after its ``finish``, ``cancel`` or ``fail``;
+- ``restart`` frees all of the worker's blocks except those a transfer in
+  flight for writing still targets: those are *quarantined* until that
+  transfer ends.  A transfer reading from (or writing into) a restarted
+  worker has *lost its source* (or its target) and can never make a commit
+  ready.
+
+The monitor's state splits in two: the verdict state (what decides future
+violations; :meth:`Monitor.key` returns it, hashable, for explorers that
+search the product of a model and the monitor) and the line bookkeeping used
+only to name witnesses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
+
+import attrs
+
+from ._errors import UsageError
+from ._events import (
+    Alloc,
+    Cancel,
+    Commit,
+    Decode,
+    Event,
+    Fail,
+    Finish,
+    Free,
+    PrefillDone,
+    PrefillStart,
+    Reserve,
+    Restart,
+    Submit,
+    TransferAbort,
+    TransferFailed,
+    TransferReadDone,
+    TransferStart,
+    TransferWriteDone,
+)
+from ._history import POLICIES, HistoryHeader, WorkerSpec
+
+__all__ = ["INVARIANTS", "END_INVARIANTS", "Violation", "Monitor", "check_invariant_ids"]
+
+#: Every invariant id, in the order the documentation lists them, with a
+#: one-line rule.  The ids are a stable public interface.
+INVARIANTS: Mapping[str, str] = {
+    "double-allocation": "an allocation names a block that is already owned",
+    "bad-free": "a free names a block that is not owned, or owned by another generation",
+    "early-source-free": "a free releases a block that a transfer in flight for reading still reads",
+    "early-target-reuse": "a free releases a block that a transfer in flight for writing still "
+    "targets, or an allocation takes a quarantined block",
+    "commit-before-ready": "commit without a completed, unfailed transfer of that ticket into that "
+    "worker whose source and target survived",
+    "double-commit": "a second commit for the same request generation",
+    "resurrection": "activity (reserve, prefill_start, alloc, transfer_start, commit, decode) for a "
+    "terminal generation",
+    "stale-generation": "activity for a generation after a later one was submitted, or a submit "
+    "whose gen is not greater than every earlier one",
+    "ticket-mismatch": "a ticket used by another generation, into another worker, or never reserved",
+    "id-reuse": "a ticket or transfer id used again",
+    "unknown-transfer": "a transfer completion or abort naming a transfer that never started",
+    "foreign-block-access": "a transfer or decode touches blocks its generation does not own there",
+    "decode-before-commit": "decode without an earlier commit of that generation on that worker",
+    "first-token-boundary": "the first decode is not at position processed_len == prompt_len with "
+    "the first token as input",
+    "decode-continuity": "a later decode skips a position, feeds another token, or exceeds "
+    "max_new_tokens",
+    "reserve-before-prefill": "(push) prefill_start without an open reservation of that generation",
+    "capacity": "a block id outside the declared pool",
+    "leak": "(end of a complete history) a block still owned by a terminal generation, or a "
+    "transfer still in flight",
+    "stuck": "(end of a complete history) a submitted generation that never became terminal",
+}
+
+END_INVARIANTS = ("leak", "stuck")
+
+
+def check_invariant_ids(ids: Iterable[str]) -> frozenset[str]:
+    """Validate invariant ids (for ``--skip``); raises UsageError on an unknown one."""
+    out = set()
+    for inv in ids:
+        if inv not in INVARIANTS:
+            raise UsageError("invariant", inv, "one of " + ", ".join(INVARIANTS))
+        out.add(inv)
+    return frozenset(out)
+
+
+@attrs.frozen
+class Violation:
+    """One broken invariant.
+
+    ``line`` is the 1-based line of the event that made the violation
+    certain (for end-of-history checks, the last line of the history);
+    ``witness`` lists the earlier lines that set it up.  The other fields
+    name what was involved, where they apply.
+    """
+
+    invariant: str
+    line: int
+    message: str
+    witness: tuple[int, ...] = ()
+    request: str | None = attrs.field(default=None, kw_only=True)
+    gen: int | None = attrs.field(default=None, kw_only=True)
+    worker: str | None = attrs.field(default=None, kw_only=True)
+    block: int | None = attrs.field(default=None, kw_only=True)
+    transfer: str | None = attrs.field(default=None, kw_only=True)
+    ticket: str | None = attrs.field(default=None, kw_only=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form used by ``pdproto audit --json``."""
+        return {
+            "invariant": self.invariant,
+            "line": self.line,
+            "message": self.message,
+            "witness": list(self.witness),
+        }
+
+
+class _Gen(NamedTuple):
+    submitted: bool = False
+    terminal: bool = False
+    prompt_len: int | None = None
+    max_new: int | None = None
+    first_token: int | None = None
+    processed_len: int | None = None
+    decodes: int = 0
+    last_pos: int = -1
+    last_out: int = -1
+
+
+_NEW_GEN = _Gen()
+
+
+class _Transfer(NamedTuple):
+    ticket: str
+    gen: tuple[str, int]
+    src: str
+    src_blocks: tuple[int, ...]
+    dst: str
+    dst_blocks: tuple[int, ...]
+    reading: bool = True
+    writing: bool = True
+    write_done: bool = False
+    failed: bool = False
+    lost: bool = False  # source or target worker restarted while in flight
+
+
+class _Ticket(NamedTuple):
+    gen: tuple[str, int]
+    worker: str
+
+
+def _fmt_gen(key: tuple[str, int]) -> str:
+    return f"request {key[0]!r} gen {key[1]}"
+
+
+def _blocks_text(blocks: Iterable[int]) -> str:
+    return "[" + ", ".join(str(b) for b in blocks) + "]"
+
+
+class Monitor:
+    """An incremental checker of one history.
+
+    >>> m = Monitor(policy="push")
+    >>> m.feed(Submit("r1", 0, prompt_len=4))
+    []
+
+    :meth:`feed` takes one event (with its line number; by default the line
+    after the previous one) and returns the violations it made certain;
+    :attr:`violations` accumulates them; :meth:`finish` applies the
+    end-of-history checks when the history is complete.  ``skip`` names
+    invariants not to report.  :meth:`copy` and :meth:`key` let a search
+    explore histories branching from a common prefix.
+    """
+
+    __slots__ = (
+        "policy",
+        "complete",
+        "workers",
+        "skip",
+        "violations",
+        "line",
+        "events",
+        "_out",
+        # verdict state
+        "_max_gen",
+        "_gens",
+        "_owner",
+        "_quarantine",
+        "_reading",
+        "_writing",
+        "_transfers",
+        "_inflight",
+        "_tickets",
+        "_ticket_left",
+        "_open_tickets",
+        "_block_ticket",
+        "_ticket_transfers",
+        "_commits",
+        "_incarnation",
+        # witness bookkeeping, not part of key()
+        "_lines",
+    )
+
+    _VERDICT = (
+        "_max_gen",
+        "_gens",
+        "_owner",
+        "_quarantine",
+        "_reading",
+        "_writing",
+        "_transfers",
+        "_inflight",
+        "_tickets",
+        "_ticket_left",
+        "_open_tickets",
+        "_block_ticket",
+        "_ticket_transfers",
+        "_commits",
+        "_incarnation",
+    )
+
+    def __init__(
+        self,
+        policy: str = "push",
+        *,
+        complete: bool = False,
+        workers: Mapping[str, WorkerSpec] | None = None,
+        skip: Iterable[str] = (),
+    ) -> None:
+        if policy not in POLICIES:
+            raise UsageError("policy", policy, " or ".join(POLICIES))
+        self.policy = policy
+        self.complete = complete
+        self.workers = dict(workers) if workers is not None else None
+        self.skip = check_invariant_ids(skip)
+        self.violations: list[Violation] = []
+        self.line = 0
+        self.events = 0
+        self._out: list[Violation] = []
+        for name in self._VERDICT:
+            setattr(self, name, {})
+        self._lines: dict[tuple, int] = {}
+
+    @classmethod
+    def from_header(
+        cls,
+        header: HistoryHeader,
+        *,
+        policy: str | None = None,
+        complete: bool | None = None,
+        skip: Iterable[str] = (),
+    ) -> "Monitor":
+        """A monitor set up as a history header says; ``policy`` and
+        ``complete`` override it when given (``complete=True`` forces)."""
+        return cls(
+            policy or header.policy,
+            complete=header.complete or bool(complete),
+            workers=header.workers,
+            skip=skip,
+        )
+
+    # -- public -------------------------------------------------------------
+
+    def feed(self, event: Event, line: int | None = None) -> list[Violation]:
+        """Check one event; return the violations it made certain."""
+        self.line = self.line + 1 if line is None else line
+        self.events += 1
+        out = self._out = []
+        _DISPATCH[type(event)](self, event, self.line)
+        if out:
+            self.violations.extend(out)
+        return out
+
+    def feed_all(self, events: Iterable[Event]) -> list[Violation]:
+        """Feed several events (numbered on from the last line)."""
+        found: list[Violation] = []
+        for event in events:
+            found.extend(self.feed(event))
+        return found
+
+    def finish(self) -> list[Violation]:
+        """Apply the end-of-history checks (``leak``, ``stuck``) when the
+        history is complete; return the violations they found."""
+        out = self._out = []
+        if self.complete:
+            self._end_checks(self.line)
+        self.violations.extend(out)
+        return out
+
+    def end_violations(self) -> list[Violation]:
+        """What :meth:`finish` would report now, without recording it.  Useful
+        to a search that treats a quiet state as the end of its history."""
+        saved, self._out = self._out, []
+        try:
+            self._end_checks(self.line)
+            return self._out
+        finally:
+            self._out = saved
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def requests(self) -> int:
+        """How many distinct requests the history named so far."""
+        return len({key[0] for key in self._gens})
+
+    def copy(self) -> "Monitor":
+        """An independent monitor in the same state."""
+        new = Monitor.__new__(Monitor)
+        new.policy = self.policy
+        new.complete = self.complete
+        new.workers = self.workers
+        new.skip = self.skip
+        new.violations = list(self.violations)
+        new.line = self.line
+        new.events = self.events
+        new._out = []
+        for name in self._VERDICT:
+            setattr(new, name, dict(getattr(self, name)))
+        new._lines = dict(self._lines)
+        return new
+
+    def key(self) -> tuple:
+        """The verdict state as a hashable value: two monitors with equal keys
+        report the same violations for every continuation (up to line
+        numbers)."""
+        return tuple(frozenset(getattr(self, name).items()) for name in self._VERDICT)
+
+    # -- helpers ------------------------------------------------------------
+
+    def _report(
+        self, invariant: str, line: int, message: str, witness: Iterable[int | None] = (), **data: Any
+    ) -> None:
+        if invariant in self.skip:
+            return
+        lines = tuple(sorted({w for w in witness if w is not None and w != line}))
+        self._out.append(Violation(invariant, line, message, lines, **data))
+
+    def _gen(self, key: tuple[str, int]) -> _Gen:
+        return self._gens.get(key, _NEW_GEN)
+
+    def _check_live(self, event: Event, key: tuple[str, int], line: int, resurrect: bool = True) -> None:
+        """resurrection and stale-generation for an event of generation ``key``."""
+        if resurrect and self._gen(key).terminal:
+            self._report(
+                "resurrection",
+                line,
+                f"{event.EV} for {_fmt_gen(key)}, which already ended",
+                [self._lines.get(("end", key))],
+                request=key[0],
+                gen=key[1],
+            )
+        latest = self._max_gen.get(key[0], -1)
+        if latest > key[1]:
+            self._report(
+                "stale-generation",
+                line,
+                f"{event.EV} for {_fmt_gen(key)} after gen {latest} of that request was submitted",
+                [self._lines.get(("submit", (key[0], latest)))],
+                request=key[0],
+                gen=key[1],
+            )
+
+    def _capacity(self, event: Event, worker: str, blocks: tuple[int, ...], line: int) -> tuple[int, ...]:
+        """Report blocks outside a declared pool; return the blocks inside it."""
+        if self.workers is None or worker not in self.workers:
+            return blocks
+        size = self.workers[worker].blocks
+        bad = [b for b in blocks if b >= size]
+        if not bad:
+            return blocks
+        self._report(
+            "capacity",
+            line,
+            f"{event.EV} names block(s) {_blocks_text(bad)} on {worker!r}, whose declared pool "
+            f"has blocks [0, {size})",
+            [1],
+            worker=worker,
+            block=bad[0],
+        )
+        return tuple(b for b in blocks if b < size)
+
+    def _allocate(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], line: int) -> None:
+        owner = self._owner
+        lines = self._lines
+        for b in self._capacity(event, worker, blocks, line):
+            wb = (worker, b)
+            if wb in self._quarantine:
+                self._report(
+                    "early-target-reuse",
+                    line,
+                    f"{event.EV} of {_fmt_gen(key)} takes block {b} on {worker!r}, quarantined "
+                    f"since the restart: transfer(s) {', '.join(map(repr, sorted(self._writing.get(wb, ()))))} "
+                    f"can still write into it",
+                    [lines.get(("restart", worker))]
+                    + [lines.get(("transfer", t)) for t in self._writing.get(wb, ())],
+                    request=key[0],
+                    gen=key[1],
+                    worker=worker,
+                    block=b,
+                )
+                del self._quarantine[wb]
+            elif wb in owner:
+                other = owner[wb]
+                self._report(
+                    "double-allocation",
+                    line,
+                    f"{event.EV} of {_fmt_gen(key)} takes block {b} on {worker!r}, already owned by "
+                    f"{_fmt_gen(other)}",
+                    [lines.get(("alloc", wb))],
+                    request=key[0],
+                    gen=key[1],
+                    worker=worker,
+                    block=b,
+                )
+                self._release_ticket_block(wb)
+            owner[wb] = key
+            lines[("alloc", wb)] = line
+
+    def _release_ticket_block(self, wb: tuple[str, int]) -> None:
+        ticket = self._block_ticket.pop(wb, None)
+        if ticket is None:
+            return
+        left = self._ticket_left.get(ticket, 0) - 1
+        if left > 0:
+            self._ticket_left[ticket] = left
+        else:
+            self._close_ticket(ticket)
+
+    def _close_ticket(self, ticket: str) -> None:
+        if self._ticket_left.pop(ticket, None) is None:
+            return
+        key = self._tickets[ticket].gen
+        n = self._open_tickets.get(key, 0) - 1
+        if n > 0:
+            self._open_tickets[key] = n
+        else:
+            self._open_tickets.pop(key, None)
+
+    def _ticket_check(self, event: Event, ticket: str, key: tuple[str, int], worker: str, line: int) -> None:
+        info = self._tickets.get(ticket)
+        where = self._lines.get(("ticket", ticket))
+        if info is None:
+            self._report(
+                "ticket-mismatch",
+                line,
+                f"{event.EV} of {_fmt_gen(key)} names ticket {ticket!r}, which was never reserved",
+                request=key[0],
+                gen=key[1],
+                ticket=ticket,
+            )
+        elif info.gen != key:
+            self._report(
+                "ticket-mismatch",
+                line,
+                f"{event.EV} of {_fmt_gen(key)} names ticket {ticket!r}, which belongs to "
+                f"{_fmt_gen(info.gen)}",
+                [where],
+                request=key[0],
+                gen=key[1],
+                ticket=ticket,
+            )
+        elif info.worker != worker:
+            self._report(
+                "ticket-mismatch",
+                line,
+                f"{event.EV} of {_fmt_gen(key)} goes into {worker!r}, but ticket {ticket!r} "
+                f"reserved blocks on {info.worker!r}",
+                [where],
+                request=key[0],
+                gen=key[1],
+                ticket=ticket,
+                worker=worker,
+            )
+
+    def _owned_by(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], role: str, line: int) -> None:
+        owner = self._owner
+        for b in self._capacity(event, worker, blocks, line):
+            wb = (worker, b)
+            held = owner.get(wb)
+            if held == key:
+                continue
+            if held is None:
+                why = "which is free"
+                witness = [self._lines.get(("free", wb))]
+            else:
+                why = f"which {_fmt_gen(held)} owns"
+                witness = [self._lines.get(("alloc", wb))]
+            self._report(
+                "foreign-block-access",
+                line,
+                f"{event.EV} of {_fmt_gen(key)} {role} block {b} on {worker!r}, {why}",
+                witness,
+                request=key[0],
+                gen=key[1],
+                worker=worker,
+                block=b,
+            )
+            return  # one report per event and side is enough
+
+    def _index_remove(self, index: dict, blocks_of: Iterable[tuple[str, int]], tid: str) -> None:
+        for wb in blocks_of:
+            tids = index.get(wb)
+            if tids is None:
+                continue
+            rest = tids - {tid}
+            if rest:
+                index[wb] = rest
+            else:
+                del index[wb]
+
+    def _stop(self, tid: str, t: _Transfer, reading: bool, writing: bool) -> None:
+        """Mark transfer ``tid`` as no longer reading and/or writing."""
+        if reading and t.reading:
+            self._index_remove(self._reading, ((t.src, b) for b in t.src_blocks), tid)
+        if writing and t.writing:
+            dst = [(t.dst, b) for b in t.dst_blocks]
+            self._index_remove(self._writing, dst, tid)
+            for wb in dst:
+                if wb in self._quarantine and wb not in self._writing:
+                    del self._quarantine[wb]
+        t = t._replace(reading=t.reading and not reading, writing=t.writing and not writing)
+        self._transfers[tid] = t
+        if not (t.reading or t.writing):
+            self._inflight.pop(tid, None)
+
+    def _known_transfer(self, event: Event, line: int) -> _Transfer | None:
+        tid = event.transfer  # type: ignore[attr-defined]
+        t = self._transfers.get(tid)
+        if t is None:
+            self._report(
+                "unknown-transfer",
+                line,
+                f"{event.EV} names transfer {tid!r}, which never started",
+                transfer=tid,
+            )
+        return t
+
+    # -- one handler per event kind ----------------------------------------
+
+    def _on_submit(self, ev: Submit, line: int) -> None:
+        key = (ev.request, ev.gen)
+        latest = self._max_gen.get(ev.request)
+        if latest is not None and ev.gen <= latest:
+            self._report(
+                "stale-generation",
+                line,
+                f"submit of {_fmt_gen(key)}, but gen {latest} of that request was already "
+                f"submitted; a retry needs a greater gen",
+                [self._lines.get(("submit", (ev.request, latest)))],
+                request=ev.request,
+                gen=ev.gen,
+            )
+        else:
+            self._max_gen[ev.request] = ev.gen
+        g = self._gen(key)
+        self._gens[key] = g._replace(submitted=True, prompt_len=ev.prompt_len, max_new=ev.max_new_tokens)
+        self._lines.setdefault(("submit", key), line)
+
+    def _on_reserve(self, ev: Reserve, line: int) -> None:
+        key = (ev.request, ev.gen)
+        self._check_live(ev, key, line)
+        if ev.ticket in self._tickets:
+            self._report(
+                "id-reuse",
+                line,
+                f"reserve for {_fmt_gen(key)} reuses ticket {ev.ticket!r}, first reserved for "
+                f"{_fmt_gen(self._tickets[ev.ticket].gen)}",
+                [self._lines.get(("ticket", ev.ticket))],
+                request=ev.request,
+                gen=ev.gen,
+                ticket=ev.ticket,
+            )
+            self._close_ticket(ev.ticket)
+        self._allocate(ev, key, ev.worker, ev.blocks, line)
+        self._tickets[ev.ticket] = _Ticket(key, ev.worker)
+        self._lines[("ticket", ev.ticket)] = line
+        self._ticket_left[ev.ticket] = len(set(ev.blocks))
+        self._open_tickets[key] = self._open_tickets.get(key, 0) + 1
+        for b in ev.blocks:
+            self._block_ticket[(ev.worker, b)] = ev.ticket
+
+    def _on_prefill_start(self, ev: PrefillStart, line: int) -> None:
+        key = (ev.request, ev.gen)
+        self._check_live(ev, key, line)
+        if self.policy == "push" and not self._open_tickets.get(key):
+            self._report(
+                "reserve-before-prefill",
+                line,
+                f"prefill_start of {_fmt_gen(key)} on {ev.worker!r} without an open D "
+                f"reservation (policy push reserves first)",
+                [self._lines.get(("submit", key))],
+                request=ev.request,
+                gen=ev.gen,
+                worker=ev.worker,
+            )
+        self._allocate(ev, key, ev.worker, ev.blocks, line)
+
+    def _on_prefill_done(self, ev: PrefillDone, line: int) -> None:
+        key = (ev.request, ev.gen)
+        g = self._gen(key)
+        self._gens[key] = g._replace(first_token=ev.first_token, processed_len=ev.processed_len)
+        self._lines[("prefill_done", key)] = line
+
+    def _on_alloc(self, ev: Alloc, line: int) -> None:
+        key = (ev.request, ev.gen)
+        self._check_live(ev, key, line)
+        self._allocate(ev, key, ev.worker, ev.blocks, line)
+
+    def _on_transfer_start(self, ev: TransferStart, line: int) -> None:
+        key = (ev.request, ev.gen)
+        tid = ev.transfer
+        self._check_live(ev, key, line)
+        if tid in self._transfers:
+            self._report(
+                "id-reuse",
+                line,
+                f"transfer_start for {_fmt_gen(key)} reuses transfer id {tid!r}, first used for "
+                f"{_fmt_gen(self._transfers[tid].gen)}",
+                [self._lines.get(("transfer", tid))],
+                request=ev.request,
+                gen=ev.gen,
+                transfer=tid,
+            )
+            old = self._transfers[tid]
+            self._stop(tid, old, True, True)
+        self._ticket_check(ev, ev.ticket, key, ev.dst, line)
+        self._owned_by(ev, key, ev.src, ev.src_blocks, "reads", line)
+        self._owned_by(ev, key, ev.dst, ev.dst_blocks, "writes", line)
+        t = _Transfer(ev.ticket, key, ev.src, ev.src_blocks, ev.dst, ev.dst_blocks)
+        self._transfers[tid] = t
+        self._inflight[tid] = True
+        for b in ev.src_blocks:
+            wb = (ev.src, b)
+            self._reading[wb] = self._reading.get(wb, frozenset()) | {tid}
+        for b in ev.dst_blocks:
+            wb = (ev.dst, b)
+            self._writing[wb] = self._writing.get(wb, frozenset()) | {tid}
+        self._ticket_transfers[ev.ticket] = self._ticket_transfers.get(ev.ticket, ()) + (tid,)
+        self._lines[("transfer", tid)] = line
+
+    def _on_transfer_read_done(self, ev: TransferReadDone, line: int) -> None:
+        t = self._known_transfer(ev, line)
+        if t is not None:
+            self._stop(ev.transfer, t, True, False)
+
+    def _on_transfer_write_done(self, ev: TransferWriteDone, line: int) -> None:
+        t = self._known_transfer(ev, line)
+        if t is not None and not t.failed:
+            if t.writing:
+                self._stop(ev.transfer, t, False, True)
+                t = self._transfers[ev.transfer]
+            self._transfers[ev.transfer] = t._replace(write_done=True)
+
+    def _on_transfer_failed(self, ev: TransferFailed, line: int) -> None:
+        t = self._known_transfer(ev, line)
+        if t is not None:
+            self._stop(ev.transfer, t, True, True)
+            self._transfers[ev.transfer] = self._transfers[ev.transfer]._replace(failed=True)
+            self._lines[("failed", ev.transfer)] = line
+
+    def _on_transfer_abort(self, ev: TransferAbort, line: int) -> None:
+        self._known_transfer(ev, line)  # an abort ends nothing by itself
+
+    def _on_commit(self, ev: Commit, line: int) -> None:
+        key = (ev.request, ev.gen)
+        self._check_live(ev, key, line)
+        if key in self._commits:
+            self._report(
+                "double-commit",
+                line,
+                f"second commit of {_fmt_gen(key)} (ticket {ev.ticket!r} on {ev.worker!r})",
+                [self._lines.get(("commit", key))],
+                request=ev.request,
+                gen=ev.gen,
+                ticket=ev.ticket,
+            )
+        self._ticket_check(ev, ev.ticket, key, ev.worker, line)
+        tids = self._ticket_transfers.get(ev.ticket, ())
+        ready = False
+        for tid in tids:
+            t = self._transfers[tid]
+            if t.dst == ev.worker and t.write_done and not t.failed and not t.lost:
+                ready = True
+                break
+        if not ready:
+            if not tids:
+                why = "no transfer of that ticket has started"
+            else:
+                states = []
+                for tid in tids:
+                    t = self._transfers[tid]
+                    if t.failed:
+                        states.append(f"{tid!r} failed")
+                    elif t.lost:
+                        states.append(f"{tid!r} lost its source or target to a restart")
+                    elif t.dst != ev.worker:
+                        states.append(f"{tid!r} writes into {t.dst!r}")
+                    else:
+                        states.append(f"{tid!r} has not finished writing")
+                why = "transfer " + "; ".join(states)
+            self._report(
+                "commit-before-ready",
+                line,
+                f"commit of {_fmt_gen(key)} on {ev.worker!r} under ticket {ev.ticket!r}, but {why}",
+                [self._lines.get(("ticket", ev.ticket))]
+                + [self._lines.get(("transfer", t)) for t in tids],
+                request=ev.request,
+                gen=ev.gen,
+                ticket=ev.ticket,
+                worker=ev.worker,
+            )
+        if key not in self._commits:
+            self._commits[key] = ev.worker
+            self._lines[("commit", key)] = line
+
+    def _on_decode(self, ev: Decode, line: int) -> None:
+        key = (ev.request, ev.gen)
+        self._check_live(ev, key, line)
+        if self._commits.get(key) != ev.worker:
+            where = self._commits.get(key)
+            self._report(
+                "decode-before-commit",
+                line,
+                f"decode of {_fmt_gen(key)} on {ev.worker!r} at position {ev.position}, "
+                + (
+                    "which never committed"
+                    if where is None
+                    else f"which committed on {where!r}, not here"
+                ),
+                [self._lines.get(("commit", key))],
+                request=ev.request,
+                gen=ev.gen,
+                worker=ev.worker,
+            )
+        self._owned_by(ev, key, ev.worker, ev.blocks, "reads", line)
+        g = self._gen(key)
+        if g.decodes == 0:
+            self._first_decode(ev, key, g, line)
+        else:
+            self._next_decode(ev, key, g, line)
+        self._gens[key] = g._replace(decodes=g.decodes + 1, last_pos=ev.position, last_out=ev.output_token)
+        self._lines[("decode", key)] = line
+
+    def _first_decode(self, ev: Decode, key: tuple[str, int], g: _Gen, line: int) -> None:
+        witness = [self._lines.get(("prefill_done", key)), self._lines.get(("submit", key))]
+        problem = None
+        if g.first_token is None:
+            problem = "no prefill_done recorded the first token"
+        elif ev.position != g.processed_len:
+            problem = (
+                f"position {ev.position}, but prefill processed {g.processed_len} tokens: the "
+                f"first token goes at position {g.processed_len}"
+            )
+        elif g.prompt_len is not None and g.processed_len != g.prompt_len:
+            problem = f"prefill processed {g.processed_len} tokens of a {g.prompt_len}-token prompt"
+        elif ev.input_token != g.first_token:
+            problem = f"input_token {ev.input_token}, but prefill sampled first token {g.first_token}"
+        if problem is not None:
+            self._report(
+                "first-token-boundary",
+                line,
+                f"first decode of {_fmt_gen(key)} on {ev.worker!r}: {problem}",
+                witness,
+                request=ev.request,
+                gen=ev.gen,
+                worker=ev.worker,
+            )
+        self._check_budget(ev, key, g, line)
+
+    def _next_decode(self, ev: Decode, key: tuple[str, int], g: _Gen, line: int) -> None:
+        problem = None
+        if ev.position != g.last_pos + 1:
+            problem = f"position {ev.position} after position {g.last_pos}"
+        elif ev.input_token != g.last_out:
+            problem = f"input_token {ev.input_token}, but the previous step produced {g.last_out}"
+        if problem is not None:
+            self._report(
+                "decode-continuity",
+                line,
+                f"decode of {_fmt_gen(key)} on {ev.worker!r}: {problem}",
+                [self._lines.get(("decode", key))],
+                request=ev.request,
+                gen=ev.gen,
+                worker=ev.worker,
+            )
+        else:
+            self._check_budget(ev, key, g, line)
+
+    def _check_budget(self, ev: Decode, key: tuple[str, int], g: _Gen, line: int) -> None:
+        produced = g.decodes + 2  # the first token plus this decode's output and the earlier ones
+        if g.max_new is not None and produced > g.max_new:
+            self._report(
+                "decode-continuity",
+                line,
+                f"decode of {_fmt_gen(key)} produces token {produced} of at most "
+                f"max_new_tokens={g.max_new}",
+                [self._lines.get(("submit", key))],
+                request=ev.request,
+                gen=ev.gen,
+                worker=ev.worker,
+            )
+
+    def _on_end(self, ev: Finish | Cancel | Fail, line: int) -> None:
+        key = (ev.request, ev.gen)
+        if type(ev) is Finish:
+            self._check_live(ev, key, line, resurrect=False)
+        g = self._gen(key)
+        if not g.terminal:
+            self._gens[key] = g._replace(terminal=True)
+            self._lines[("end", key)] = line
+
+    def _on_free(self, ev: Free, line: int) -> None:
+        worker = ev.worker
+        owner = self._owner
+        lines = self._lines
+        for b in self._capacity(ev, worker, ev.blocks, line):
+            wb = (worker, b)
+            held = owner.get(wb)
+            if held is None:
+                why = "quarantined after a restart" if wb in self._quarantine else "not owned"
+                self._report(
+                    "bad-free",
+                    line,
+                    f"free of block {b} on {worker!r}, which is {why}",
+                    [lines.get(("free", wb))],
+                    worker=worker,
+                    block=b,
+                    request=ev.request,
+                    gen=ev.gen,
+                )
+                continue
+            if ev.request is not None and (
+                held[0] != ev.request or (ev.gen is not None and held[1] != ev.gen)
+            ):
+                named = ev.request if ev.gen is None else _fmt_gen((ev.request, ev.gen))
+                self._report(
+                    "bad-free",
+                    line,
+                    f"free of block {b} on {worker!r} for {named}, but {_fmt_gen(held)} owns it",
+                    [lines.get(("alloc", wb))],
+                    worker=worker,
+                    block=b,
+                    request=ev.request,
+                    gen=ev.gen,
+                )
+            readers = self._reading.get(wb)
+            if readers:
+                self._report(
+                    "early-source-free",
+                    line,
+                    f"free of block {b} on {worker!r} ({_fmt_gen(held)}) while transfer(s) "
+                    f"{', '.join(map(repr, sorted(readers)))} can still read it",
+                    [lines.get(("transfer", t)) for t in readers],
+                    worker=worker,
+                    block=b,
+                    request=held[0],
+                    gen=held[1],
+                    transfer=min(readers),
+                )
+            writers = self._writing.get(wb)
+            if writers:
+                self._report(
+                    "early-target-reuse",
+                    line,
+                    f"free of block {b} on {worker!r} ({_fmt_gen(held)}) while transfer(s) "
+                    f"{', '.join(map(repr, sorted(writers)))} can still write into it",
+                    [lines.get(("transfer", t)) for t in writers],
+                    worker=worker,
+                    block=b,
+                    request=held[0],
+                    gen=held[1],
+                    transfer=min(writers),
+                )
+            del owner[wb]
+            self._release_ticket_block(wb)
+            lines[("free", wb)] = line
+
+    def _on_restart(self, ev: Restart, line: int) -> None:
+        worker = ev.worker
+        self._incarnation[worker] = ev.incarnation
+        self._lines[("restart", worker)] = line
+        for wb in [wb for wb in self._owner if wb[0] == worker]:
+            del self._owner[wb]
+            self._block_ticket.pop(wb, None)
+            self._lines[("free", wb)] = line
+            if wb in self._writing:
+                self._quarantine[wb] = True
+        for ticket in [t for t in self._ticket_left if self._tickets[t].worker == worker]:
+            self._close_ticket(ticket)
+        for tid in list(self._inflight):
+            t = self._transfers[tid]
+            if (t.src == worker and t.reading) or (t.dst == worker and t.writing):
+                if t.src == worker:
+                    self._stop(tid, t, True, False)  # its source memory is gone
+                    t = self._transfers[tid]
+                self._transfers[tid] = t._replace(lost=True)
+
+    # -- end of history -----------------------------------------------------
+
+    def _end_checks(self, line: int) -> None:
+        lines = self._lines
+        held: dict[tuple[tuple[str, int], str], list[int]] = {}
+        for (worker, b), key in self._owner.items():
+            if self._gens.get(key, _NEW_GEN).terminal:
+                held.setdefault((key, worker), []).append(b)
+        for (key, worker), blocks in sorted(held.items()):
+            blocks.sort()
+            self._report(
+                "leak",
+                line,
+                f"{_fmt_gen(key)} ended but still owns block(s) {_blocks_text(blocks)} on {worker!r}",
+                [lines.get(("alloc", (worker, b))) for b in blocks] + [lines.get(("end", key))],
+                request=key[0],
+                gen=key[1],
+                worker=worker,
+                block=blocks[0],
+            )
+        for tid in sorted(self._inflight):
+            t = self._transfers[tid]
+            doing = " and ".join(
+                w for w, on in (("reading", t.reading), ("writing", t.writing)) if on
+            )
+            self._report(
+                "leak",
+                line,
+                f"transfer {tid!r} of {_fmt_gen(t.gen)} ({t.src!r} -> {t.dst!r}) is still "
+                f"{doing} at the end of the history",
+                [lines.get(("transfer", tid))],
+                request=t.gen[0],
+                gen=t.gen[1],
+                transfer=tid,
+            )
+        for key, g in sorted(self._gens.items()):
+            if g.submitted and not g.terminal:
+                self._report(
+                    "stuck",
+                    line,
+                    f"{_fmt_gen(key)} never finished, was cancelled or failed",
+                    [lines.get(("submit", key))],
+                    request=key[0],
+                    gen=key[1],
+                )
+
+
+_DISPATCH: dict[type, Callable[[Monitor, Any, int], None]] = {
+    Submit: Monitor._on_submit,
+    Reserve: Monitor._on_reserve,
+    PrefillStart: Monitor._on_prefill_start,
+    PrefillDone: Monitor._on_prefill_done,
+    Alloc: Monitor._on_alloc,
+    TransferStart: Monitor._on_transfer_start,
+    TransferReadDone: Monitor._on_transfer_read_done,
+    TransferWriteDone: Monitor._on_transfer_write_done,
+    TransferFailed: Monitor._on_transfer_failed,
+    TransferAbort: Monitor._on_transfer_abort,
+    Commit: Monitor._on_commit,
+    Decode: Monitor._on_decode,
+    Finish: Monitor._on_end,
+    Cancel: Monitor._on_end,
+    Fail: Monitor._on_end,
+    Free: Monitor._on_free,
+    Restart: Monitor._on_restart,
+}
