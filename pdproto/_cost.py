@@ -21,24 +21,25 @@ queueing, layout conversion and contention are left out (docs/cost-model.md).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
 from ._errors import UsageError
 
 __all__ = [
-    "MIB",
-    "GIB",
     "DTYPES",
+    "GIB",
+    "MIB",
     "PRESETS",
-    "KVShape",
-    "Link",
-    "Timing",
-    "Span",
-    "Timeline",
     "CostModel",
     "CostReport",
+    "KVShape",
+    "Link",
+    "Span",
+    "Timeline",
+    "Timing",
     "estimate",
     "format_bytes",
 ]
@@ -370,7 +371,9 @@ class Timeline:
         return out
 
 
-def _decode_spans(lane: str, first_token_at: float, decode_start: float, step: float, count: int) -> tuple[list[Span], list[float]]:
+def _decode_spans(
+    lane: str, first_token_at: float, decode_start: float, step: float, count: int
+) -> tuple[list[Span], list[float]]:
     tokens = [first_token_at]
     spans = []
     for k in range(count - 1):
@@ -558,6 +561,7 @@ class CostReport:
             "heads_per_rank": m.shape.heads_per_rank(m.tp),
             "replicas": m.shape.replicas(m.tp),
             "rank_bytes": m.rank_bytes,
+            "sent_bytes": m.rank_bytes * m.tp,
             "critical_bytes": m.critical_bytes,
             "bandwidth_gibps": m.link.bandwidth_gibps,
             "latency_ms": m.link.latency_ms,
