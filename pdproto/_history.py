@@ -8,7 +8,6 @@ field and the offending value.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import sys
@@ -173,7 +172,9 @@ class HistoryReader:
     are *not* format errors: the monitor reports them as ``capacity``.
     """
 
-    def __init__(self, stream: IO[str] | Iterable[str], name: str = "<history>") -> None:
+    def __init__(
+        self, stream: IO[str] | IO[bytes] | Iterable[str] | Iterable[bytes], name: str = "<history>"
+    ) -> None:
         self.name = name
         self._lines = iter(stream)
         self.line = 0  # number of the last line read
@@ -186,6 +187,15 @@ class HistoryReader:
     def _next_object(self) -> tuple[int, object] | None:
         for raw in self._lines:
             self.line += 1
+            if type(raw) is bytes:
+                try:
+                    raw = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise HistoryFormatError(
+                        f"not UTF-8 text ({exc.reason} at byte {exc.start} of the line)",
+                        source=self.name,
+                        line=self.line,
+                    ) from None
             text = raw.strip()
             if not text:
                 continue
@@ -205,14 +215,7 @@ class HistoryReader:
         return None
 
     def _read_first(self) -> None:
-        try:
-            first = self._next_object()
-        except UnicodeDecodeError as exc:
-            raise HistoryFormatError(
-                f"not UTF-8 text ({exc.reason} at byte {exc.start})",
-                source=self.name,
-                line=self.line + 1,
-            ) from None
+        first = self._next_object()
         if first is None:
             return
         line, obj = first
@@ -263,12 +266,7 @@ class HistoryReader:
             self.events += 1
             yield pending
         while True:
-            try:
-                item = self._next_object()
-            except UnicodeDecodeError as exc:
-                raise HistoryFormatError(
-                    f"not UTF-8 text ({exc.reason})", source=self.name, line=self.line + 1
-                ) from None
+            item = self._next_object()
             if item is None:
                 return
             line, obj = item
@@ -289,18 +287,17 @@ class open_history:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
 
     def __enter__(self) -> HistoryReader:
+        stream: IO[bytes] | IO[str]
         if self.path == "-":
-            stream: IO[str] = io.TextIOWrapper(
-                sys.stdin.buffer, encoding="utf-8", errors="strict"
-            ) if hasattr(sys.stdin, "buffer") else sys.stdin
+            stream = getattr(sys.stdin, "buffer", sys.stdin)
             name = "<stdin>"
         else:
             name = self.path
             try:
-                stream = open(self.path, encoding="utf-8", errors="strict")
+                stream = open(self.path, "rb")
             except OSError as exc:
                 raise HistoryFormatError(
                     f"cannot open: {exc.strerror}", source=self.path, value=self.path

@@ -348,7 +348,10 @@ class Monitor:
     ) -> None:
         if invariant in self.skip:
             return
-        lines = tuple(sorted({w for w in witness if w is not None and w != line}))
+        if invariant in END_INVARIANTS:
+            lines = tuple(sorted({w for w in witness if w is not None}))
+        else:
+            lines = tuple(sorted({w for w in witness if w is not None and w != line}))
         self._out.append(Violation(invariant, line, message, lines, **data))
 
     def _gen(self, key: tuple[str, int]) -> _Gen:
@@ -829,6 +832,8 @@ class Monitor:
         worker = ev.worker
         owner = self._owner
         lines = self._lines
+        early_read: dict[tuple, list[int]] = {}
+        early_write: dict[tuple, list[int]] = {}
         for b in self._capacity(ev, worker, ev.blocks, line):
             wb = (worker, b)
             held = owner.get(wb)
@@ -861,35 +866,30 @@ class Monitor:
                 )
             readers = self._reading.get(wb)
             if readers:
-                self._report(
-                    "early-source-free",
-                    line,
-                    f"free of block {b} on {worker!r} ({_fmt_gen(held)}) while transfer(s) "
-                    f"{', '.join(map(repr, sorted(readers)))} can still read it",
-                    [lines.get(("transfer", t)) for t in readers],
-                    worker=worker,
-                    block=b,
-                    request=held[0],
-                    gen=held[1],
-                    transfer=min(readers),
-                )
+                early_read.setdefault((held, readers), []).append(b)
             writers = self._writing.get(wb)
             if writers:
-                self._report(
-                    "early-target-reuse",
-                    line,
-                    f"free of block {b} on {worker!r} ({_fmt_gen(held)}) while transfer(s) "
-                    f"{', '.join(map(repr, sorted(writers)))} can still write into it",
-                    [lines.get(("transfer", t)) for t in writers],
-                    worker=worker,
-                    block=b,
-                    request=held[0],
-                    gen=held[1],
-                    transfer=min(writers),
-                )
+                early_write.setdefault((held, writers), []).append(b)
             del owner[wb]
             self._release_ticket_block(wb)
             lines[("free", wb)] = line
+        for invariant, found, verb in (
+            ("early-source-free", early_read, "read"),
+            ("early-target-reuse", early_write, "write into"),
+        ):
+            for (held, tids), blocks in found.items():
+                self._report(
+                    invariant,
+                    line,
+                    f"free of block(s) {_blocks_text(blocks)} on {worker!r} ({_fmt_gen(held)}) "
+                    f"while transfer(s) {', '.join(map(repr, sorted(tids)))} can still {verb} them",
+                    [lines.get(("transfer", t)) for t in tids],
+                    worker=worker,
+                    block=blocks[0],
+                    request=held[0],
+                    gen=held[1],
+                    transfer=min(tids),
+                )
 
     def _on_restart(self, ev: Restart, line: int) -> None:
         worker = ev.worker

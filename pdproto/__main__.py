@@ -1,0 +1,5 @@
+"""``python -m pdproto`` runs the command line."""
+
+from ._cli import entry
+
+entry()
