@@ -16,7 +16,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping
 import attrs
 
 from ._errors import HistoryFormatError
-from ._events import Event, event_from_dict
+from ._events import Event, parse_event
 
 __all__ = [
     "FORMAT_VERSION",
@@ -238,7 +238,7 @@ class HistoryReader:
 
     def _parse(self, line: int, obj: object) -> Event:
         try:
-            event = event_from_dict(obj)
+            event = parse_event(obj)
         except HistoryFormatError as exc:
             if _is_header(obj):
                 exc = HistoryFormatError(

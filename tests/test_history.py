@@ -204,3 +204,19 @@ def test_reader_never_crashes_on_arbitrary_json(objs):
         list(HistoryReader(io.StringIO(text), "fuzz"))
     except HistoryFormatError as exc:
         assert str(exc).startswith("fuzz:")
+
+
+@given(_eventish | events().map(lambda e: e.to_dict()))
+@settings(max_examples=300, deadline=None)
+def test_fast_parser_agrees_with_the_strict_one(obj):
+    from pdproto._events import parse_event
+
+    try:
+        slow = event_from_dict(obj)
+    except HistoryFormatError as exc:
+        with pytest.raises(HistoryFormatError) as info:
+            parse_event(obj)
+        assert str(info.value) == str(exc)
+    else:
+        fast = parse_event(obj)
+        assert fast == slow and fast.extra == slow.extra and type(fast) is type(slow)
