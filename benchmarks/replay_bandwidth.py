@@ -1,0 +1,172 @@
+"""Copy bandwidth of the torch replay backend's transfer path.
+
+Replays P->D handoffs of the seed's teaching model (32 layers, 8 KV heads,
+head dim 128, bf16, 4096 tokens: 512 MiB of K and V per request) on the
+torch backend and times the transfer path (``transfer_read_done`` +
+``transfer_write_done``), against a plain ``torch`` copy of the same bytes
+on the same device in the same run.  Reports the ratio of the two
+bandwidths (target on CPU: >= 0.5).
+
+Two paths are timed:
+
+- ``direct``: the source is untouched between read_done and write_done, so
+  the write copies straight from the source (the common case);
+- ``staged``: the source is freed (legitimately) right after read_done, so
+  the read is materialised into a staging buffer first (copy-on-write) and
+  the write copies from there: twice the bytes moved.
+
+Usage: python benchmarks/replay_bandwidth.py [--quick] [--device cpu|cuda]
+[--repeat N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from pdproto import (  # noqa: E402
+    Commit,
+    Finish,
+    Free,
+    HistoryHeader,
+    PrefillDone,
+    PrefillStart,
+    Reserve,
+    Submit,
+    TransferReadDone,
+    TransferStart,
+    TransferWriteDone,
+    WorkerSpec,
+)
+from pdproto._torch_backend import TorchBackend  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # timing only: not part of the copy path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke run")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeat", type=int, default=None, help="handoffs timed per path")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--verify", action="store_true", help="also verify every commit (slow at full size)")
+    args = ap.parse_args(argv)
+
+    if args.quick:
+        layers, heads, head_dim, tokens, bs = 4, 8, 128, 512, 16
+        repeat = args.repeat or 3
+    else:
+        layers, heads, head_dim, tokens, bs = 32, 8, 128, 4096, 16
+        repeat = args.repeat or 5
+    nblocks = tokens // bs
+    header = HistoryHeader(policy="push", workers={
+        "P0": WorkerSpec("prefill", nblocks), "D0": WorkerSpec("decode", nblocks)})
+    backend = TorchBackend(header, device=args.device, dtype="bfloat16", layers=layers,
+                           kv_heads=heads, head_dim=head_dim, block_size=bs)
+    device = backend.device
+    blocks = tuple(range(nblocks))
+    nbytes = nblocks * backend.layout.block_bytes
+    line = [1]
+
+    def ap_(ev):
+        line[0] += 1
+        return backend.apply(ev, line[0])
+
+    def handoff(i: int, staged: bool, verify: bool) -> float:
+        r = f"r{i}"
+        ap_(Submit(r, 0, prompt_len=tokens, max_new_tokens=1))
+        ap_(Reserve(r, 0, f"t{i}", "D0", blocks))
+        ap_(PrefillStart(r, 0, "P0", blocks))
+        ap_(PrefillDone(r, 0, "P0", first_token=1, processed_len=tokens))
+        ap_(TransferStart(f"x{i}", f"t{i}", r, 0, "P0", blocks, "D0", blocks))
+        _sync(device)
+        t0 = time.perf_counter()
+        ap_(TransferReadDone(f"x{i}"))
+        if staged:
+            ap_(Free("P0", blocks, r, 0))  # legal after read_done: forces the staging copy
+        ap_(TransferWriteDone(f"x{i}"))
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if not staged:
+            ap_(Free("P0", blocks, r, 0))
+        if staged:
+            dt -= _poison_time(backend, nblocks)  # the free's poison is not copy work
+        if verify:
+            bad = ap_(Commit(r, 0, f"t{i}", "D0"))
+            assert not bad, bad
+        ap_(Finish(r, 0))
+        ap_(Free("D0", blocks, r, 0))
+        return dt
+
+    def plain() -> float:
+        src = backend.pool("P0")
+        dst = backend.pool("D0")
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    handoff(0, staged=False, verify=True)  # warm up, and check the bytes once
+    plain()
+    i = 1
+    results = {}
+    for path, staged in (("direct", False), ("staged", True)):
+        times, plains = [], []
+        for k in range(repeat):
+            times.append(handoff(i, staged, verify=args.verify))
+            i += 1
+            plains.append(plain())
+        t, p = statistics.median(times), statistics.median(plains)
+        results[path] = {
+            "transfer_s": t,
+            "plain_copy_s": p,
+            "transfer_GiB_s": nbytes / t / 2**30,
+            "plain_GiB_s": nbytes / p / 2**30,
+            "ratio": p / t,
+        }
+    assert backend.ok, backend.violations[:3]
+    out = {
+        "device": str(device),
+        "bytes_per_handoff": nbytes,
+        "MiB_per_handoff": nbytes / 2**20,
+        "layers": layers, "kv_heads": heads, "head_dim": head_dim, "tokens": tokens,
+        "block_size": bs, "dtype": "bfloat16", "threads": torch.get_num_threads(),
+        "repeat": repeat, **results,
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{out['MiB_per_handoff']:.0f} MiB per handoff ({layers} layers x {heads} KV heads x "
+              f"{head_dim} x {tokens} tokens, bf16) on {device}, {repeat} handoffs per path")
+        for path in ("direct", "staged"):
+            r = results[path]
+            print(f"  {path:6}: transfer {r['transfer_GiB_s']:6.2f} GiB/s, plain copy "
+                  f"{r['plain_GiB_s']:6.2f} GiB/s, ratio {r['ratio']:.2f}")
+    return 0 if results["direct"]["ratio"] >= 0.5 else 1
+
+
+def _poison_time(backend: TorchBackend, nblocks: int) -> float:
+    """The cost of poisoning ``nblocks`` blocks (what a free does), measured apart."""
+    pool = backend.pool("P0")
+    idx = torch.arange(nblocks, device=pool.device)
+    _sync(pool.device)
+    t0 = time.perf_counter()
+    pool.index_fill_(0, idx, float("nan"))
+    _sync(pool.device)
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
