@@ -1,0 +1,64 @@
+"""pdproto's pytest plugin (registered through the ``pytest11`` entry point).
+
+- Registers the Hypothesis settings profiles ``pdproto-quick`` and
+  ``pdproto-ci`` (select one with ``--hypothesis-profile``, or with this
+  plugin's ``--pdproto-profile quick|ci``).
+- Offers the ``pdproto_fuzz`` fixture: ``pdproto_fuzz(model)`` fuzzes a model
+  under the active profile and fails the test with the monitor's violation,
+  the step table and the path of the failing history (under ``tmp_path``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pdproto", "pdproto handoff fuzzing")
+    group.addoption(
+        "--pdproto-profile",
+        choices=("quick", "ci"),
+        default=None,
+        help="load the Hypothesis settings profile pdproto-quick or pdproto-ci",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from .testing import register_profiles
+
+    register_profiles()
+    choice = config.getoption("--pdproto-profile", default=None)
+    if choice:
+        from hypothesis import settings
+
+        settings.load_profile(f"pdproto-{choice}")
+
+
+@pytest.fixture
+def pdproto_fuzz(tmp_path: Any) -> Any:
+    """``fuzz(model, *, examples=None, steps=None, out=None) -> FuzzStats``.
+
+    Runs the model's Hypothesis state machine with the active settings
+    profile (``examples``/``steps`` override it).  On a violation the test
+    fails with a :class:`pdproto.testing.HandoffFailure`; its history is
+    written to ``out`` (default ``tmp_path / "failure.jsonl"``).
+    """
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from .testing import handoff_machine
+
+    def fuzz(model: Any, *, examples: int | None = None, steps: int | None = None, out: Any = None) -> Any:
+        path = out if out is not None else tmp_path / "failure.jsonl"
+        machine = handoff_machine(model, out=path)
+        overrides: dict[str, Any] = {"deadline": None}
+        if examples is not None:
+            overrides["max_examples"] = examples
+        if steps is not None:
+            overrides["stateful_step_count"] = steps
+        run_state_machine_as_test(machine, settings=settings(settings(), **overrides))
+        return machine.stats
+
+    return fuzz
