@@ -135,9 +135,6 @@ class _Gen(NamedTuple):
     max_new: int | None = None
     first_token: int | None = None
     processed_len: int | None = None
-    decodes: int = 0
-    last_pos: int = -1
-    last_out: int = -1
 
 
 _NEW_GEN = _Gen()
@@ -210,6 +207,7 @@ class Monitor:
         "_ticket_transfers",
         "_commits",
         "_incarnation",
+        "_progress",
         # witness bookkeeping, not part of key()
         "_lines",
     )
@@ -230,6 +228,7 @@ class Monitor:
         "_ticket_transfers",
         "_commits",
         "_incarnation",
+        "_progress",
     )
 
     def __init__(
@@ -359,7 +358,7 @@ class Monitor:
 
     def _check_live(self, event: Event, key: tuple[str, int], line: int, resurrect: bool = True) -> None:
         """resurrection and stale-generation for an event of generation ``key``."""
-        if resurrect and self._gen(key).terminal:
+        if resurrect and self._gens.get(key, _NEW_GEN).terminal:
             self._report(
                 "resurrection",
                 line,
@@ -381,12 +380,13 @@ class Monitor:
 
     def _capacity(self, event: Event, worker: str, blocks: tuple[int, ...], line: int) -> tuple[int, ...]:
         """Report blocks outside a declared pool; return the blocks inside it."""
-        if self.workers is None or worker not in self.workers:
+        if self.workers is None or not blocks:
             return blocks
-        size = self.workers[worker].blocks
+        spec = self.workers.get(worker)
+        if spec is None or max(blocks) < spec.blocks:
+            return blocks
+        size = spec.blocks
         bad = [b for b in blocks if b >= size]
-        if not bad:
-            return blocks
         self._report(
             "capacity",
             line,
@@ -493,6 +493,12 @@ class Monitor:
 
     def _owned_by(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], role: str, line: int) -> None:
         owner = self._owner
+        get = owner.get
+        for b in blocks:
+            if get((worker, b)) != key:
+                break
+        else:
+            return  # the common case: all owned
         for b in self._capacity(event, worker, blocks, line):
             wb = (worker, b)
             held = owner.get(wb)
@@ -752,12 +758,14 @@ class Monitor:
                 worker=ev.worker,
             )
         self._owned_by(ev, key, ev.worker, ev.blocks, "reads", line)
-        g = self._gen(key)
-        if g.decodes == 0:
+        g = self._gens.get(key, _NEW_GEN)
+        progress = self._progress.get(key)
+        if progress is None:
             self._first_decode(ev, key, g, line)
+            self._progress[key] = (1, ev.position, ev.output_token)
         else:
-            self._next_decode(ev, key, g, line)
-        self._gens[key] = g._replace(decodes=g.decodes + 1, last_pos=ev.position, last_out=ev.output_token)
+            self._next_decode(ev, key, g, progress, line)
+            self._progress[key] = (progress[0] + 1, ev.position, ev.output_token)
         self._lines[("decode", key)] = line
 
     def _first_decode(self, ev: Decode, key: tuple[str, int], g: _Gen, line: int) -> None:
@@ -784,14 +792,17 @@ class Monitor:
                 gen=ev.gen,
                 worker=ev.worker,
             )
-        self._check_budget(ev, key, g, line)
+        self._check_budget(ev, key, g, 0, line)
 
-    def _next_decode(self, ev: Decode, key: tuple[str, int], g: _Gen, line: int) -> None:
+    def _next_decode(
+        self, ev: Decode, key: tuple[str, int], g: _Gen, progress: tuple[int, int, int], line: int
+    ) -> None:
+        decodes, last_pos, last_out = progress
         problem = None
-        if ev.position != g.last_pos + 1:
-            problem = f"position {ev.position} after position {g.last_pos}"
-        elif ev.input_token != g.last_out:
-            problem = f"input_token {ev.input_token}, but the previous step produced {g.last_out}"
+        if ev.position != last_pos + 1:
+            problem = f"position {ev.position} after position {last_pos}"
+        elif ev.input_token != last_out:
+            problem = f"input_token {ev.input_token}, but the previous step produced {last_out}"
         if problem is not None:
             self._report(
                 "decode-continuity",
@@ -803,10 +814,10 @@ class Monitor:
                 worker=ev.worker,
             )
         else:
-            self._check_budget(ev, key, g, line)
+            self._check_budget(ev, key, g, decodes, line)
 
-    def _check_budget(self, ev: Decode, key: tuple[str, int], g: _Gen, line: int) -> None:
-        produced = g.decodes + 2  # the first token plus this decode's output and the earlier ones
+    def _check_budget(self, ev: Decode, key: tuple[str, int], g: _Gen, decodes: int, line: int) -> None:
+        produced = decodes + 2  # the first token, the earlier decodes' outputs and this one's
         if g.max_new is not None and produced > g.max_new:
             self._report(
                 "decode-continuity",
