@@ -1,0 +1,302 @@
+"""``pdproto check``: explore a model exhaustively and judge it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from .._errors import UsageError
+
+EXIT_OK, EXIT_VIOLATION, EXIT_BAD_INPUT = 0, 1, 2
+GRAPH_LIMIT = 20_000
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "check",
+        help="explore a model exhaustively (breadth-first) against the monitor",
+        description=(
+            "Explore every reachable state of a handoff model (breadth-first over the model "
+            "state and the monitor's verdict state) and report violations with shortest "
+            "counterexamples, deadlocks, and unreachable 'sometimes' properties.  Exit 0 "
+            "clean, 1 violation or deadlock, 2 bad input."
+        ),
+    )
+    p.add_argument(
+        "model", nargs="?", metavar="MODEL",
+        help="a name from the catalogue (see --list), a path to a model file, or "
+        "module:attribute (default: the reference model)",
+    )
+    p.add_argument("--list", action="store_true", help="list the catalogue's models and exit")
+    p.add_argument("--mode", choices=("push", "pull"), help="protocol family of the configuration")
+    p.add_argument("--requests", type=_positive_int, metavar="N", help="number of requests")
+    p.add_argument("--blocks", type=_positive_int, metavar="N", help="block pool size of every worker")
+    p.add_argument(
+        "--faults", metavar="KIND=N,...",
+        help="fault budgets replacing the model's defaults (kinds not named get 0), e.g. "
+        "cancel=1,dup=1 (also all=1, none)",
+    )
+    p.add_argument("--max-states", type=_positive_int, metavar="N", help="stop after N distinct states")
+    p.add_argument("--fingerprint", action="store_true",
+                   help="keep 64-bit fingerprints instead of states (less memory; prints the "
+                   "probability that a hash collision hid a state)")
+    p.add_argument("--no-symmetry", action="store_true", help="do not reduce by symmetry")
+    p.add_argument("--continue", dest="keep_going", action="store_true",
+                   help="keep exploring after a counterexample (one shortest trace per invariant)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--out", metavar="TRACE.jsonl",
+                   help="write the (first) counterexample as a history that `pdproto audit` reads")
+    p.add_argument("--graph", metavar="FILE",
+                   help=f"write the explored state graph (.graphml or .dot; at most {GRAPH_LIMIT} states)")
+    p.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def run(args: argparse.Namespace, console: Any) -> int:
+    from .._config import parse_faults
+    from .._explore import explore
+    from .._loader import list_models, load_model
+
+    if args.list:
+        return _list(args, console, list_models())
+    if args.graph is not None and not args.graph.endswith((".graphml", ".dot")):
+        raise UsageError("--graph", args.graph, "a file name ending in .graphml or .dot")
+    if args.graph is not None and args.fingerprint:
+        raise UsageError("--graph with --fingerprint", args.graph, "exact mode (drop --fingerprint)")
+    faults = parse_faults(args.faults) if args.faults is not None else None
+    model, info = load_model(
+        args.model, mode=args.mode, requests=args.requests, blocks=args.blocks, faults=faults
+    )
+
+    progress, live = _progress(args)
+    try:
+        result = explore(
+            model,
+            max_states=args.max_states,
+            symmetry=not args.no_symmetry,
+            fingerprint=args.fingerprint,
+            progress=progress,
+            keep_graph=args.graph is not None,
+            graph_limit=GRAPH_LIMIT,
+            stop_on_first=not args.keep_going,
+        )
+    finally:
+        if live is not None:
+            live.stop()
+
+    if args.graph is not None:
+        if result.graph is None:
+            raise UsageError(
+                "--graph", args.graph,
+                f"a state space of at most {GRAPH_LIMIT} states (this one has more than that; "
+                "use a smaller configuration or --max-states)",
+            )
+        _write_graph(result.graph, args.graph)
+
+    written = None
+    failures = result.failures
+    if args.out is not None and failures:
+        written = _write_trace(args.out, result, failures[0])
+
+    if args.json:
+        obj = result.to_dict()
+        obj["config"] = _config_dict(info.config)
+        obj["expected"] = info.expected
+        if written is not None:
+            obj["out"] = written
+        if args.graph is not None:
+            obj["graph"] = args.graph
+        print(json.dumps(obj), file=console.file)
+    else:
+        _report(console, result, info, written, args)
+    return EXIT_OK if result.ok else EXIT_VIOLATION
+
+
+# -- output -------------------------------------------------------------------
+
+
+def _config_dict(config: Any) -> Any:
+    if config is None:
+        return None
+    try:
+        import attrs
+
+        if attrs.has(type(config)):
+            out = attrs.asdict(config)
+            if isinstance(out.get("faults"), dict):
+                out["faults"] = {k: v for k, v in out["faults"].items() if v}
+            return out
+    except Exception:  # pragma: no cover - best effort
+        pass
+    return repr(config)
+
+
+def _list(args: argparse.Namespace, console: Any, models: list) -> int:
+    if args.json:
+        print(json.dumps([{"model": n, "expected": e, "summary": d} for n, e, d in models]), file=console.file)
+        return EXIT_OK
+    from rich.table import Table
+
+    table = Table(title="models", title_justify="left")
+    table.add_column("model")
+    table.add_column("expected invariant")
+    table.add_column("what it models")
+    for name, expected, doc in models:
+        table.add_row(name, expected or "none (correct)", doc)
+    console.print(table)
+    return EXIT_OK
+
+
+def _progress(args: argparse.Namespace) -> tuple[Any, Any]:
+    """A live status line on stderr (only on a terminal)."""
+    from rich.console import Console
+
+    err = Console(stderr=True, highlight=False)
+    if not err.is_terminal:
+        return None, None
+    from rich.live import Live
+    from rich.text import Text
+
+    live = Live(Text("exploring ..."), console=err, transient=True, refresh_per_second=5)
+    live.start()
+
+    def progress(info: dict[str, Any]) -> None:
+        sec = info["seconds"]
+        rate = info["states"] / sec if sec > 0 else 0.0
+        live.update(Text(
+            f"exploring: {info['states']:,} states, {info['transitions']:,} transitions, "
+            f"depth {info['depth']}, queue {info['queue']:,}, {rate:,.0f} states/s, {sec:.1f} s"
+            + (f", {info['violations']} counterexample(s)" if info["violations"] else "")
+        ))
+
+    return progress, live
+
+
+def _event_text(ev: Any) -> str:
+    d = ev.to_dict()
+    name = d.pop("ev")
+    parts = []
+    for k, v in d.items():
+        if isinstance(v, list):
+            v = "[" + ",".join(map(str, v)) + "]"
+        parts.append(f"{k}={v}")
+    return f"{name}(" + " ".join(parts) + ")"
+
+
+def _report(console: Any, result: Any, info: Any, written: str | None, args: argparse.Namespace) -> None:
+    from rich.table import Table
+
+    verdict = "[bold green]OK[/]" if result.ok else "[bold red]FAILED[/]"
+    table = Table(title=f"pdproto check {info.spec}: {verdict}", title_justify="left", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("model", str(result.model))
+    if info.config is not None:
+        table.add_row("configuration", _config_text(info.config))
+    if info.has_expected:
+        table.add_row("expected", info.expected or "no violation (correct model)")
+    table.add_row("distinct states", f"{result.states:,}" + ("" if result.complete else
+                  (" (truncated by --max-states: not exhaustive)" if result.truncated
+                   else " (stopped at the first counterexample)")))
+    table.add_row("transitions", f"{result.transitions:,}")
+    table.add_row("depth", str(result.depth))
+    sps = result.states_per_second
+    table.add_row("time", f"{result.seconds:.2f} s ({sps:,.0f} states/s)")
+    table.add_row("symmetry", result.symmetry)
+    if result.fingerprint:
+        table.add_row(
+            "storage",
+            f"fingerprints, {result.bytes_per_state:.1f} bytes/state; probability that a hash "
+            f"collision hid a state: {result.collision_probability:.2g}",
+        )
+    table.add_row("violations", _count(len(result.violations) + len(result.invariant_failures)))
+    table.add_row("deadlocks", _count(len(result.deadlocks)))
+    if result.complete:
+        if result.unmet_sometimes:
+            table.add_row("sometimes", "[red]never reached: " + ", ".join(result.unmet_sometimes) + "[/]")
+        elif result.met_sometimes:
+            table.add_row("sometimes", f"all {len(result.met_sometimes)} reached")
+    elif result.unmet_sometimes:
+        table.add_row("sometimes", "not judged (search incomplete); not yet reached: "
+                      + ", ".join(result.unmet_sometimes))
+    console.print(table)
+
+    for cx in result.failures:
+        kind = {"violation": "violation", "deadlock": "deadlock",
+                "state-invariant": "state invariant"}[cx.kind]
+        console.print()
+        console.print(f"[bold red]{kind}: {cx.invariant}[/] ({len(cx.trace)} steps, shortest): ",
+                      cx.message, sep="", markup=True, highlight=False)
+        steps = Table(show_lines=False)
+        steps.add_column("#", justify="right")
+        steps.add_column("actor")
+        steps.add_column("action")
+        steps.add_column("events")
+        for s in cx.trace:
+            action = str(s.action) + (" [fault]" if s.fault else "")
+            steps.add_row(str(s.index), s.actor, action, "\n".join(_event_text(e) for e in s.events) or "-")
+        console.print(steps)
+        if cx.kind == "deadlock":
+            console.print("no action is enabled after the last step, and the history ends here.")
+    if written is not None:
+        console.print(f"counterexample written to {written} (check it with: pdproto audit {written})")
+    elif args.out is not None:
+        console.print(f"no counterexample; {args.out} not written")
+
+
+def _count(n: int) -> str:
+    return "[green]none[/]" if n == 0 else f"[red]{n}[/]"
+
+
+def _config_text(config: Any) -> str:
+    d = _config_dict(config)
+    if isinstance(d, dict):
+        faults = d.pop("faults", None)
+        text = ", ".join(f"{k}={v}" for k, v in d.items())
+        if faults:
+            text += ", faults " + ",".join(f"{k}={v}" for k, v in faults.items())
+        return text
+    return str(d)
+
+
+def _write_trace(path: str, result: Any, cx: Any) -> str:
+    from .._explore import trace_header
+    from .._history import write_history
+
+    try:
+        write_history(path, cx.events, trace_header(result.header, cx))
+    except OSError as exc:
+        raise UsageError("--out", path, f"a writable file ({exc.strerror})") from None
+    return path
+
+
+def _write_graph(graph: Any, path: str) -> None:
+    try:
+        if path.endswith(".graphml"):
+            import networkx as nx
+
+            nx.write_graphml(graph, path)
+        else:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write("digraph states {\n")
+                for node, data in graph.nodes(data=True):
+                    shape = ' shape="doublecircle"' if data.get("initial") else ""
+                    fh.write(f"  {node}{shape};\n")
+                for a, b, data in graph.edges(data=True):
+                    label = json.dumps(data.get("action", ""))
+                    fh.write(f"  {a} -> {b} [label={label}];\n")
+                fh.write("}\n")
+    except OSError as exc:
+        raise UsageError("--graph", path, f"a writable file ({exc.strerror})") from None
