@@ -139,6 +139,8 @@ def load_model(
     blocks: int | None = None,
     faults: Mapping[str, int] | None = None,
     max_states: int | None = None,
+    prefill_workers: int | None = None,
+    decode_workers: int | None = None,
 ) -> tuple[Any, ModelInfo]:
     """Resolve ``spec`` to a model; return ``(model, info)``.
 
@@ -154,6 +156,10 @@ def load_model(
         overrides["requests"] = requests
     if blocks is not None:
         overrides["blocks"] = blocks
+    if prefill_workers is not None:
+        overrides["prefill_workers"] = prefill_workers
+    if decode_workers is not None:
+        overrides["decode_workers"] = decode_workers
     given = spec if spec is not None else _DEFAULT
     target: Any
     module: ModuleType | None = None

@@ -49,7 +49,7 @@ from ._config import FAULT_KINDS, ModelConfig
 from ._events import Event
 from ._history import write_history
 from ._model import Action
-from ._monitor import Monitor, Violation
+from ._monitor import END_INVARIANTS, Monitor, Violation
 
 __all__ = [
     "HandoffFailure",
@@ -216,7 +216,10 @@ def handoff_machine(
 
         def _fail(self, violation: Violation) -> None:
             if out_path is not None:
-                write_history(out_path, self.events, header)
+                # a history cut at a safety violation is not complete: leak and
+                # stuck apply only to one that ran until the system went quiet
+                complete = violation.invariant in END_INVARIANTS
+                write_history(out_path, self.events, attrs.evolve(header, complete=complete))
             failure = HandoffFailure(violation, self.trace, out_path)
             stats.failure = failure
             raise failure

@@ -20,7 +20,7 @@ EXIT_VIOLATION = 1
 EXIT_BAD_INPUT = 2
 
 # Order is the order shown by ``pdproto --help``.
-COMMANDS = ("check", "audit", "replay", "cost")
+COMMANDS = ("check", "fuzz", "audit", "replay", "cost")
 
 
 def build_parser() -> argparse.ArgumentParser:
