@@ -1,0 +1,18 @@
+"""Print the reference protocol's transition tables (Markdown), generated
+from the action handlers of pdproto/_reference.py.  docs/protocol.md embeds
+this output between the GENERATED markers; tests/test_reference.py checks
+that the two agree.  Run: ``python benchmarks/gen_protocol_table.py``."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pdproto._reference import transition_table_markdown  # noqa: E402
+
+if __name__ == "__main__":
+    for mode in ("push", "pull"):
+        print(f"<!-- BEGIN GENERATED TABLE {mode} -->")
+        print(transition_table_markdown(mode), end="")
+        print(f"<!-- END GENERATED TABLE {mode} -->")
+        print()

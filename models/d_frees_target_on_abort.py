@@ -1,0 +1,27 @@
+"""D frees its target blocks on abort while the transfer can still write them.
+
+Reproduces sgl-project/sglang#35049 and vllm-project/vllm#32255: on a
+cancel or timeout the decode side returns the reserved KV blocks to its pool
+at once, while P's RDMA write into them is still in flight; the blocks can
+be handed to another request and then overwritten.  The reference aborts the
+transfer and frees the target only once the data plane says it ended.
+Caught as ``early-target-reuse``.
+"""
+
+from pdproto._config import ModelConfig
+from pdproto._reference import HandoffModel
+
+EXPECTED = "early-target-reuse"
+DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"cancel": 1})
+
+
+class DFreesTargetOnAbort(HandoffModel):
+    name = "d_frees_target_on_abort"
+
+    def _can_d_free(self, s, r, q, xi):
+        # BUG: does not wait for the write in flight
+        return True
+
+
+def build(config: ModelConfig) -> HandoffModel:
+    return DFreesTargetOnAbort(config)

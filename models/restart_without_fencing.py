@@ -1,0 +1,26 @@
+"""After a restart, D reuses blocks that a write of the old incarnation can still land on.
+
+Reproduces ai-dynamo/nixl#2027: a restarted decode worker re-registers and
+hands out its KV memory while a transfer addressed to the old incarnation is
+still in flight, so the stale write lands in blocks now owned by another
+request.  The reference quarantines such blocks until the transfer ends.
+Caught as ``early-target-reuse``.
+"""
+
+from pdproto._config import ModelConfig
+from pdproto._reference import HandoffModel
+
+EXPECTED = "early-target-reuse"
+DEFAULT_CONFIG = ModelConfig(mode="push", requests=2, blocks=1, faults={"restart": 1})
+
+
+class RestartWithoutFencing(HandoffModel):
+    name = "restart_without_fencing"
+
+    def quarantined(self, s, w):
+        # BUG: no fencing of the old incarnation's writes
+        return ()
+
+
+def build(config: ModelConfig) -> HandoffModel:
+    return RestartWithoutFencing(config)
