@@ -286,6 +286,7 @@ def _monitor_from_key(template: Monitor, key: tuple) -> Monitor:
 # the search
 
 
+_BAD = object()  # marks a violating transition's target in the visited set
 _PAIR = object()  # tags (state, monitor id) keys; a model state can never hold it
 
 
@@ -584,6 +585,12 @@ def explore(
                     key = nstate if nmid == 0 else (_PAIR, nstate, nmid)
                 else:
                     key = product_key(nstate, nmid)
+                if bad:
+                    # A violation is a property of the transition, not only of the
+                    # state it reaches: the monitor may record the bad event as if
+                    # it were fine, so the product state can equal a clean one seen
+                    # before.  Mark it, so the shortest violating path is kept.
+                    key = (_BAD, key, bad[0].invariant)
                 if fp_table is not None:
                     fp = hash(key) or 1
                     i = fp & fp_mask

@@ -184,7 +184,9 @@ class HandoffModel:
         self.rname = tuple(f"r{i}" for i in range(config.requests))
         workers = {f"P{i}": WorkerSpec("prefill", config.blocks) for i in range(self.np)}
         workers.update({f"D{i}": WorkerSpec("decode", config.blocks) for i in range(self.nd)})
-        self.header = HistoryHeader(policy=config.mode, complete=True, workers=workers)
+        self.header = HistoryHeader(
+            policy=config.mode, complete=True, workers=workers, extra={"block_size": config.block_size}
+        )
         self.budget0 = tuple(config.faults[k] for k in FAULT_KINDS)
         self._cache_state: Any = None
         self._cache_acts: tuple = ()
