@@ -33,13 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pdproto {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"{__name__}._{name}")
-        except ModuleNotFoundError as exc:  # TEMPORARY while commands land
-            if exc.name != f"{__name__}._{name}":
-                raise
-            continue
-        module.add_parser(sub)
+        importlib.import_module(f"{__name__}._{name}").add_parser(sub)
     return parser
 
 
