@@ -220,3 +220,28 @@ def test_fast_parser_agrees_with_the_strict_one(obj):
     else:
         fast = parse_event(obj)
         assert fast == slow and fast.extra == slow.extra and type(fast) is type(slow)
+
+
+@given(st.lists(_eventish | _json | events().map(lambda e: e.to_dict()), max_size=4), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_reading_with_or_without_orjson_agrees(objs, as_bytes):
+    from pdproto import _history
+
+    text = "\n".join(json.dumps(o) for o in objs) + "\n"
+    data = text.encode() if as_bytes else text
+
+    def outcome():
+        stream = io.BytesIO(data) if as_bytes else io.StringIO(data)
+        try:
+            return [(line, e, e.extra) for line, e in HistoryReader(stream, "h")]
+        except HistoryFormatError as exc:
+            return str(exc)
+
+    fast = outcome()
+    saved = _history._fast_loads
+    _history._fast_loads = None
+    try:
+        slow = outcome()
+    finally:
+        _history._fast_loads = saved
+    assert fast == slow
