@@ -413,6 +413,7 @@ def event_from_dict(obj: object) -> Event:
 # finds and names the problem.  Both accept exactly the same objects.
 
 _INT_ONLY = frozenset((int,))
+_SCALARS = frozenset((str, int, float, bool, type(None)))
 
 _FAST_CHECK = {
     _STR: "(type({v}) is str and {v} != '')",
@@ -426,25 +427,33 @@ _FAST_CHECK = {
 def _make_fast_parser(cls: type[Event]) -> Callable[[dict], Event | None]:
     names = [a.name for a in attrs.fields(cls) if a.name != "extra"]
     assert names == list(cls.FIELDS), (cls, names)
-    lines = [f"def parse(obj):", "    get = obj.get"]
-    known = 1 + sum(1 for k in cls.FIELDS.values() if not k.endswith("?"))
-    args = []
-    for i, (name, kind) in enumerate(cls.FIELDS.items()):
-        v = f"v{i}"
-        lines.append(f"    {v} = get({name!r})")
-        if not kind.endswith("?"):
-            lines.append(f"    if {v} is None: return None")
-        lines.append(f"    if not {_FAST_CHECK[kind].format(v=v)}: return None")
-        args.append(f"tuple({v})" if kind == _BLOCKS else v)
-    optional = [n for n, k in cls.FIELDS.items() if k.endswith("?")]
-    count = " + ".join([str(known)] + [f"({n!r} in obj)" for n in optional])
+    required = [(i, n, k) for i, (n, k) in enumerate(cls.FIELDS.items()) if not k.endswith("?")]
+    optional = [(i, n, k) for i, (n, k) in enumerate(cls.FIELDS.items()) if k.endswith("?")]
+    lines = ["def parse(obj):", "    try:"]
+    lines += [f"        v{i} = obj[{n!r}]" for i, n, _ in required]
+    lines += ["    except KeyError:", "        return None"]
+    lines += [f"    v{i} = obj.get({n!r})" for i, n, _ in optional]
+    checks = [_FAST_CHECK[k].format(v=f"v{i}") for i, _, k in required + optional]
+    lines.append(f"    if not ({' and '.join(checks)}):")
+    lines.append("        return None")
+    args = ", ".join(
+        f"tuple(v{i})" if k == _BLOCKS else f"v{i}" for i, k in enumerate(cls.FIELDS.values())
+    )
+    count = " + ".join([str(1 + len(required))] + [f"({n!r} in obj)" for _, n, _ in optional])
     lines.append(f"    if len(obj) == {count}:")
-    lines.append(f"        return cls({', '.join(args)}, extra={{}})")
-    lines.append(f"    extra = {{k: x for k, x in obj.items() if k not in fields}}")
-    lines.append(f"    return cls({', '.join(args)}, extra=extra)")
+    lines.append(f"        return cls({args}, extra={{}})")
+    lines.append("    extra = {k: x for k, x in obj.items() if k not in fields}")
+    # JSON parsers disagree on huge integers (some give floats) and on nested
+    # values; leave anything but plain scalars to the standard parser.
+    lines.append("    for x in extra.values():")
+    lines.append("        if type(x) not in _SCALARS or (type(x) is float and not -_BIG < x < _BIG):")
+    lines.append("            return None")
+    lines.append(f"    return cls({args}, extra=extra)")
     namespace: dict[str, Any] = {
         "cls": cls,
         "_INT_ONLY": _INT_ONLY,
+        "_SCALARS": _SCALARS,
+        "_BIG": float(2**53),
         "fields": frozenset(cls.FIELDS) | {"ev"},
     }
     exec("\n".join(lines), namespace)  # noqa: S102 - generated from FIELDS only
@@ -452,6 +461,11 @@ def _make_fast_parser(cls: type[Event]) -> Callable[[dict], Event | None]:
 
 
 _FAST = {ev: _make_fast_parser(cls) for ev, cls in EVENT_TYPES.items()}
+
+#: The fields of each event kind that name a worker.
+WORKER_FIELDS: Mapping[type[Event], tuple[str, ...]] = {
+    cls: tuple(f for f in ("worker", "src", "dst") if f in cls.FIELDS) for cls in EVENT_TYPES.values()
+}
 
 
 def parse_event(obj: object) -> Event:

@@ -16,7 +16,8 @@ from typing import IO, Any, Iterable, Iterator, Mapping
 import attrs
 
 from ._errors import HistoryFormatError
-from ._events import Event, parse_event
+from ._events import _FAST as FAST_PARSERS
+from ._events import WORKER_FIELDS, Event, parse_event
 
 try:  # an optional accelerator: pip install 'pdproto[fast]'
     from orjson import loads as _fast_loads
@@ -165,7 +166,6 @@ def _is_header(obj: object) -> bool:
     return isinstance(obj, dict) and "pdproto" in obj and "ev" not in obj
 
 
-_WORKER_FIELDS = ("worker", "src", "dst")
 
 
 class HistoryReader:
@@ -189,43 +189,41 @@ class HistoryReader:
         self.has_header = False
         self._read_first()
 
-    def _next_object(self) -> tuple[int, object] | None:
-        fast = _fast_loads
-        for raw in self._lines:
-            self.line += 1
-            if fast is not None:
-                # orjson, when installed: it checks UTF-8 itself.  Whatever it
-                # refuses (a blank line, NaN, a huge integer, a real error) takes
-                # the standard path below, which decides and words the error.
-                try:
-                    return self.line, fast(raw)
-                except Exception:
-                    pass
-            if type(raw) is bytes:
-                try:
-                    raw = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise HistoryFormatError(
-                        f"not UTF-8 text ({exc.reason} at byte {exc.start} of the line)",
-                        source=self.name,
-                        line=self.line,
-                    ) from None
-            text = raw.strip()
-            if not text:
-                continue
+    def _decode(self, raw: str | bytes) -> object:
+        """The JSON value of one line (``_BLANK`` for a blank line), by the
+        standard library, which decides and words every error."""
+        if type(raw) is bytes:
             try:
-                return self.line, json.loads(text)
-            except json.JSONDecodeError as exc:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
                 raise HistoryFormatError(
-                    f"not valid JSON ({exc.msg} at column {exc.colno}): {text[:80]!r}",
+                    f"not UTF-8 text ({exc.reason} at byte {exc.start} of the line)",
                     source=self.name,
                     line=self.line,
-                    value=text[:200],
                 ) from None
-            except RecursionError:
-                raise HistoryFormatError(
-                    "JSON nested too deeply", source=self.name, line=self.line
-                ) from None
+        text = raw.strip()  # type: ignore[union-attr]
+        if not text:
+            return _BLANK
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise HistoryFormatError(
+                f"not valid JSON ({exc.msg} at column {exc.colno}): {text[:80]!r}",
+                source=self.name,
+                line=self.line,
+                value=text[:200],
+            ) from None
+        except RecursionError:
+            raise HistoryFormatError(
+                "JSON nested too deeply", source=self.name, line=self.line
+            ) from None
+
+    def _next_object(self) -> tuple[int, object] | None:
+        for raw in self._lines:
+            self.line += 1
+            obj = self._decode(raw)
+            if obj is not _BLANK:
+                return self.line, obj
         return None
 
     def _read_first(self) -> None:
@@ -259,34 +257,65 @@ class HistoryReader:
                     "a header is allowed only as the first line", value=obj
                 )
             raise exc.located(self.name, line) from None
-        workers = self.header.workers
-        if workers is not None:
-            for field in _WORKER_FIELDS:
-                worker = getattr(event, field, None)
-                if worker is not None and worker not in workers:
-                    raise HistoryFormatError(
-                        f"{event.EV}.{field} names undeclared worker {worker!r}; "
-                        f"declared: {', '.join(workers) or '(none)'}",
-                        source=self.name,
-                        line=line,
-                        field=field,
-                        value=worker,
-                    )
+        if self.header.workers is not None:
+            self._check_workers(event, line)
         return event
+
+    def _check_workers(self, event: Event, line: int) -> None:
+        workers = self.header.workers
+        assert workers is not None
+        for field in WORKER_FIELDS[type(event)]:
+            worker = getattr(event, field)
+            if worker is not None and worker not in workers:
+                raise HistoryFormatError(
+                    f"{event.EV}.{field} names undeclared worker {worker!r}; "
+                    f"declared: {', '.join(workers) or '(none)'}",
+                    source=self.name,
+                    line=line,
+                    field=field,
+                    value=worker,
+                )
 
     def __iter__(self) -> Iterator[tuple[int, Event]]:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self.events += 1
             yield pending
-        while True:
-            item = self._next_object()
-            if item is None:
-                return
-            line, obj = item
-            event = self._parse(line, obj)
+        # The hot loop: well-formed lines go straight through orjson (when
+        # installed) and the generated per-kind parsers; anything else falls
+        # to the careful path, which accepts the same lines and names errors.
+        fast_loads = _fast_loads
+        parsers = FAST_PARSERS
+        workers = self.header.workers
+        worker_fields = WORKER_FIELDS
+        for raw in self._lines:
+            self.line += 1
+            event = None
+            if fast_loads is not None:
+                try:
+                    obj = fast_loads(raw)
+                except Exception:
+                    obj = None
+                if type(obj) is dict:
+                    ev = obj.get("ev")
+                    parser = parsers.get(ev) if type(ev) is str else None
+                    if parser is not None:
+                        event = parser(obj)
+            if event is None:
+                obj = self._decode(raw)
+                if obj is _BLANK:
+                    continue
+                event = self._parse(self.line, obj)
+            elif workers is not None:
+                for field in worker_fields[type(event)]:
+                    w = getattr(event, field)
+                    if w is not None and w not in workers:
+                        self._check_workers(event, self.line)
             self.events += 1
-            yield line, event
+            yield self.line, event
+
+
+_BLANK = object()
 
 
 class open_history:
