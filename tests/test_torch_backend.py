@@ -516,3 +516,34 @@ def test_cuda_lazy_read_then_reuse_delivers_the_snapshot():
 def test_cuda_replay_cli(capsys):
     code, out = replay_json(os.path.join(EXAMPLES, "clean-push.jsonl"), "--device", "cuda", capsys=capsys)
     assert code == 0 and out["backend"]["device"].startswith("cuda")
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_walks_of_the_reference_model_replay_clean(mode, seed):
+    """Long random runs of the reference model, faults included, driven to a
+    quiet state: the monitor and the buffers both find nothing."""
+    import random
+
+    from pdproto import FAULT_KINDS, Handoff, Monitor, ModelConfig
+
+    rng = random.Random(seed)
+    config = ModelConfig(
+        mode=mode, requests=5, prefill_workers=2, decode_workers=2, blocks=3,
+        faults={kind: 2 for kind in FAULT_KINDS},
+    )
+    h = Handoff(config)
+    steps = 0
+    while h.actions and steps < 400:
+        h.do(rng.choice(h.actions))
+        steps += 1
+    h.run()  # progress actions only, to quiescence
+    header = h.model.header
+    monitor = Monitor.from_header(header)
+    backend = TorchBackend(header)
+    found = []
+    for line, event in enumerate(h.events, start=2):
+        found += monitor.feed(event, line) + backend.apply(event, line)
+    found += monitor.finish() + backend.finish()
+    assert found == []
+    assert any(e.EV == "transfer_start" for e in h.events)  # KV did move
