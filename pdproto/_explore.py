@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 import time
 from array import array
 from collections import deque
@@ -151,6 +152,7 @@ class ExploreResult:
     bytes_per_state: float | None = None
     collision_probability: float | None = None
     monitor_states: int = 0
+    memory: Mapping[str, int] | None = attrs.field(default=None, eq=False)
     graph: Any = attrs.field(default=None, eq=False, repr=False)
     header: HistoryHeader | None = attrs.field(default=None, eq=False, repr=False)
 
@@ -193,6 +195,7 @@ class ExploreResult:
             "bytes_per_state": None if self.bytes_per_state is None else round(self.bytes_per_state, 1),
             "collision_probability": self.collision_probability,
             "monitor_states": self.monitor_states,
+            "memory": dict(self.memory) if self.memory is not None else None,
         }
 
 
@@ -350,6 +353,143 @@ def _fingerprint(key: Hashable) -> int:
     return fp if fp else 1
 
 
+_MISS = object()
+
+
+def _flat_type(cls: type) -> bool:
+    """Whether states of type ``cls`` can be stored flat (their fields followed
+    by the monitor id) and rebuilt: plain tuples and named tuples without an
+    instance ``__dict__``."""
+    if cls is tuple:
+        return True
+    return (
+        issubclass(cls, tuple)
+        and hasattr(cls, "_fields")
+        and all("__slots__" in c.__dict__ for c in cls.__mro__[:-2])
+    )
+
+
+class _Interner:
+    """Hash-consing of the fields of flat states, two levels deep.
+
+    Neighbouring states share most of their parts (a request's sub-tuple, the
+    budget, the list of messages), but a model's step builds fresh objects
+    for them.  ``key(flat)`` returns an equal tuple whose fields are the first
+    equal object of the same type seen at that position; a field that is
+    itself a tuple has its tuple elements interned the same way (one table
+    per element type).  A part is only ever replaced by an equal part of the
+    same type, so a stored state is equal to the one the model produced (the
+    visited set already identifies equal states).  A position whose values
+    rarely repeat (a table past 64k entries holding more than half of its
+    lookups) stops being interned: its table would cost more than it saves.
+    """
+
+    __slots__ = ("tables", "calls", "subs")
+
+    def __init__(self) -> None:
+        self.tables: list[dict | None] = []
+        self.calls = 0
+        self.subs: dict[type, dict] = {}
+
+    def key(self, flat: tuple, tail: int = 2) -> tuple:
+        tables = self.tables
+        n = len(flat) - tail
+        if len(tables) < n:
+            tables.extend({} for _ in range(n - len(tables)))
+        self.calls += 1
+        out = list(flat)
+        for i in range(n):
+            d = tables[i]
+            if d is None:
+                continue
+            v = out[i]
+            r = d.get(v, _MISS)
+            if r is not _MISS:
+                if type(r) is type(v):
+                    out[i] = r
+                continue
+            if isinstance(v, tuple) and v:
+                v = self._sub(v)
+                out[i] = v
+            d[v] = v
+            if len(d) > 65536 and 2 * len(d) > self.calls:
+                tables[i] = None
+        return tuple(out)
+
+    def _sub(self, v: tuple) -> tuple:
+        cls = type(v)
+        if not _flat_type(cls):
+            return v
+        subs = self.subs
+        changed = False
+        elems = list(v)
+        for j, x in enumerate(elems):
+            if isinstance(x, tuple):
+                tx = type(x)
+                st = subs.get(tx)
+                if st is None:
+                    st = subs[tx] = {}
+                r = st.setdefault(x, x)
+                if r is not x:
+                    elems[j] = r
+                    changed = True
+        if not changed:
+            return v
+        return tuple(elems) if cls is tuple else tuple.__new__(cls, elems)
+
+    def nbytes(self) -> int:
+        total = 0
+        for d in self.tables:
+            if d:
+                total += sys.getsizeof(d) + sum(map(sys.getsizeof, d))
+        for d in self.subs.values():
+            total += sys.getsizeof(d) + sum(map(sys.getsizeof, d))
+        return total
+
+
+def _deep_size(obj: Any, seen: set[int]) -> int:
+    """Bytes of ``obj`` and the tuples / frozensets inside it not counted yet."""
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    size = sys.getsizeof(obj)
+    if isinstance(obj, (tuple, frozenset)):
+        for x in obj:
+            size += _deep_size(x, seen)
+    return size
+
+
+def _key_bytes(visited: set, interner: _Interner | None) -> int:
+    """Bytes of the stored keys: each key tuple, plus (deep, each object once)
+    the parts that no intern table accounts for."""
+    total = sum(map(sys.getsizeof, visited))
+    active = set()
+    if interner is not None:
+        active = {i for i, d in enumerate(interner.tables) if d is not None}
+    seen: set[int] = set()
+    for k in visited:
+        if type(k) is tuple and k and k[-1] is _PAIR:
+            for i in range(len(k) - 2):
+                if i not in active:
+                    total += _deep_size(k[i], seen)
+        elif type(k) is tuple:
+            for x in k:
+                total += _deep_size(x, seen)
+    return total
+
+
+def _unpack(entry: Any, cls: type) -> tuple[Any, int]:
+    """(state, monitor id) of a frontier entry: flat ``fields + (mid, _PAIR)``,
+    ``(_PAIR, state, mid)``, or a bare state (monitor id 0)."""
+    if type(entry) is tuple and entry:
+        if entry[-1] is _PAIR:
+            fields = entry[:-2]
+            return (fields if cls is tuple else tuple.__new__(cls, fields)), entry[-2]
+        if len(entry) == 3 and entry[0] is _PAIR:
+            return entry[1], entry[2]
+    return entry, 0
+
+
 def explore(
     model: Any,
     *,
@@ -365,6 +505,8 @@ def explore(
     stop_on_first: bool = True,
     check_deadlock: bool = True,
     freeze_gc: bool = True,
+    intern: bool = True,
+    backend: Callable[[], Any] | None = None,
 ) -> ExploreResult:
     """Explore ``model`` breadth-first; return what was found.
 
@@ -377,7 +519,18 @@ def explore(
     ``keep_graph`` builds a :mod:`networkx` ``MultiDiGraph`` of the explored
     space (``result.graph``; ``None`` above ``graph_limit`` states).
     ``progress`` is called about every ``progress_interval`` seconds with a
-    dict of counters.
+    dict of counters.  ``intern`` shares equal parts of stored states (see
+    docs/modeling.md, "Memory").
+
+    ``backend`` (a factory of data backends such as
+    :class:`pdproto._torch_backend.TorchBackend`: ``apply(event) ->
+    violations``, ``finish()``, ``copy()``) runs along the BFS tree: every
+    new state gets a copy of its parent's backend (the backend of the first
+    path that reached it) with the step's events applied; only states of the
+    frontier hold one.  Its violations are reported like the monitor's, with
+    the shortest trace of the tree; on a transition the monitor rejects, and
+    at a quiet state, the backend also finishes the history (in-flight
+    transfers land, everything readable is verified).
     """
     header: HistoryHeader = getattr(model, "header", None) or HistoryHeader()
     if keep_graph and fingerprint:
@@ -422,9 +575,13 @@ def explore(
     mkeys: list[tuple] = []  # mid -> verdict key
     mids: dict[tuple, int] = {}  # verdict key -> mid
     parts: dict[Any, Any] = {}  # hash-consed key components
-    memo: dict[tuple, tuple[int, tuple[Violation, ...]]] = {}  # (mid, events) -> (mid, violations)
+    # (mid, events) -> mid, or (mid, violations) when the events break a rule;
+    # keyed by one int: mid | (id of the events tuple << 32)
+    memo: dict[int, Any] = {}
+    ev_ids: dict[tuple, int] = {}
     memo_limit = 2_000_000
-    renamed: dict[tuple, int] = {}  # (mid, renaming key) -> mid of renamed key
+    renamed: dict[int, int] = {}  # mid | (renaming id << 32) -> mid of renamed key
+    ren_ids: dict[Any, int] = {}
 
     def intern_key(k: tuple) -> int:
         mid = mids.get(k)
@@ -438,6 +595,19 @@ def explore(
     if template is not None:
         intern_key(template.key())
 
+    flat_types: dict[type, bool] = {}
+    canon_flat: dict[type, bool] = {}
+
+    def flat_key(state: Any, mid: int) -> Hashable:
+        """The stored form of (state, mid): flat when the state's type allows."""
+        cls = type(state)
+        ok = flat_types.get(cls)
+        if ok is None:
+            ok = flat_types[cls] = _flat_type(cls) and (cls is scls or scls is None)
+        if ok:
+            return tuple(state) + (mid, _PAIR)
+        return state if mid == 0 else (_PAIR, state, mid)
+
     def product_key(state: Any, mid: int) -> Hashable:
         if canonical_product is not None:
             return canonical_product(state, mkeys[mid])
@@ -446,22 +616,40 @@ def explore(
             if mid == 0 or ren is None:
                 rmid = mid
             else:
-                rk = (mid, ren.key() if isinstance(ren, Renaming) else ren)
+                rkey = ren.key() if isinstance(ren, Renaming) else ren
+                rid = ren_ids.get(rkey)
+                if rid is None:
+                    rid = ren_ids[rkey] = len(ren_ids)
+                rk = mid | (rid << 32)
                 rmid = renamed.get(rk)
                 if rmid is None:
                     r = ren if isinstance(ren, Renaming) else Renaming(*ren)
                     rmid = intern_key(rename_monitor_key(mkeys[mid], r.names, r.blocks))
                     renamed[rk] = rmid
-            return cstate if rmid == 0 else (_PAIR, cstate, rmid)
+            return _canon_key(cstate, rmid)
         if canonical is not None:
             state = canonical(state)
-        return state if mid == 0 else (_PAIR, state, mid)
+        return _canon_key(state, mid)
+
+    def _canon_key(cstate: Any, mid: int) -> Hashable:
+        # a canonical state may be of another type than the model's states
+        cls = type(cstate)
+        ok = canon_flat.get(cls)
+        if ok is None:
+            ok = canon_flat[cls] = _flat_type(cls)
+        if ok:
+            return tuple(cstate) + (mid, _PAIR)
+        return cstate if mid == 0 else (_PAIR, cstate, mid)
 
     # -- visited set, parents, frontier ----------------------------------
-    parents = array("q")  # state index -> parent index (-1 for initial)
-    via = array("l")  # state index -> action index in the parent (initial index)
+    parents = array("i")  # state index -> parent index (-1 for initial); widened past 2**31
+    via = array("H")  # state index -> action index in the parent (initial index); widened past 65535
     fpset = _FPSet() if fingerprint else None
     visited: set | None = None if fingerprint else set()
+    interner = _Interner() if intern else None  # frontier entries (concrete states)
+    # canonical keys get their own tables: a symmetry hook may build parts of
+    # other types that compare equal to the model's (a tuple and a named tuple)
+    kinterner = _Interner() if intern and sym_mode not in ("off", "none offered") else interner
     index_of: dict | None = {} if keep_graph else None
     edges: list[tuple[int, int, str]] = []
     graph_ok = keep_graph
@@ -472,12 +660,20 @@ def explore(
     found_ids: set[str] = set()
     pending: list[tuple[str, str, int, str]] = []  # (kind, invariant, state index, message)
 
+    # A frontier entry is a flat tuple ``fields + (mid, _PAIR)`` (with
+    # interned fields: in the plain search it is the stored key itself), a
+    # ``(_PAIR, state, mid)`` triple, or a bare state with mid 0.
     frontier: deque = deque()
+    bfront: deque | None = deque() if backend is not None else None
+    peak_frontier = 0
     transitions = 0
     depth = 0
     stopped = False
     complete = True
     limit = max_states if max_states is not None else -1
+    init_states = list(model.initial_states())
+    scls: type | None = None
+    scls = type(init_states[0]) if init_states else tuple
 
     gc_was = gc.isenabled()
     if freeze_gc:
@@ -506,29 +702,41 @@ def explore(
                         return True
         return False
 
-    def add_state(key: Hashable) -> int:
-        """Index of a new state, or -1 when seen."""
-        if fpset is not None:
-            if not fpset.add(_fingerprint(key)):
-                return -1
-        else:
-            if key in visited:  # type: ignore[operator]
-                return -1
-            visited.add(key)  # type: ignore[union-attr]
-        return len(parents)
+    def run_backend(parent: Any, events: Any, finish: bool) -> tuple[Any, list]:
+        b = parent.copy()
+        found: list = []
+        for ev in events:
+            found.extend(b.apply(ev))
+        if finish and not found:
+            found.extend(b.finish())
+        return b, found
 
     try:
         # initial states
-        for i, state in enumerate(model.initial_states()):
-            key = product_key(state, 0)
-            idx = add_state(key)
-            if idx < 0:
-                continue
+        for i, state in enumerate(init_states):
+            key = product_key(state, 0) if not (sym_mode in ("off", "none offered")) else flat_key(state, 0)
+            if fpset is not None:
+                if not fpset.add(_fingerprint(key)):
+                    continue
+            else:
+                if key in visited:  # type: ignore[operator]
+                    continue
+                if kinterner is not None and type(key) is tuple and key and key[-1] is _PAIR:
+                    key = kinterner.key(key)
+                visited.add(key)  # type: ignore[union-attr]
+            idx = len(parents)
             parents.append(-1)
             via.append(i)
             if index_of is not None:
                 index_of[key] = idx
-            frontier.append((state, 0))
+            entry = flat_key(state, 0)
+            if interner is not None and type(entry) is tuple and entry and entry[-1] is _PAIR:
+                entry = interner.key(entry)
+            frontier.append(entry)
+            if bfront is not None:
+                b0 = backend()  # type: ignore[misc]
+                b0.line = 1  # the header is line 1 of a written history
+                bfront.append(b0)
             if check_state(state, idx):
                 stopped = True
                 break
@@ -543,11 +751,25 @@ def explore(
         fp_mask = fpset.mask if fpset is not None else 0
         step = model.step
         actions_of = model.actions
+        ikey = interner.key if interner is not None else None
+        kkey = kinterner.key if kinterner is not None else None
+        tnew = tuple.__new__
+        scls_is_tuple = scls is tuple
+        scls_flat = _flat_type(scls)
         while frontier and not stopped:
             if expanded == level_end:
                 depth += 1
                 level_end = len(parents)
-            state, mid = frontier.popleft()
+                if len(frontier) > peak_frontier:
+                    peak_frontier = len(frontier)
+            entry = frontier.popleft()
+            pb = bfront.popleft() if bfront is not None else None
+            if type(entry) is tuple and entry and entry[-1] is _PAIR:
+                mid = entry[-2]
+                state = entry[:-2] if scls_is_tuple else tnew(scls, entry[:-2])
+            else:
+                state, mid = _unpack(entry, scls)
+            entry = None
             pidx = expanded
             expanded += 1
             acts = actions_of(state)
@@ -558,31 +780,50 @@ def explore(
                         if record("deadlock", ends[0].invariant, pidx, ends[0].message):
                             stopped = True
                             break
+                if pb is not None:
+                    found = pb.finish()
+                    if found and record("violation", found[0].invariant, pidx, found[0].message):
+                        stopped = True
+                        break
                 continue
             parent_mon = None
             for ai, act in enumerate(acts):
                 nstate, events = step(state, act)
                 transitions += 1
-                bad: tuple[Violation, ...] = ()
+                bad: Any = ()
                 if events and template is not None:
-                    mk = (mid, events if type(events) is tuple else tuple(events))
+                    evs = events if type(events) is tuple else tuple(events)
+                    evid = ev_ids.get(evs)
+                    if evid is None:
+                        if len(ev_ids) >= memo_limit:
+                            ev_ids.clear()
+                            memo.clear()
+                        evid = ev_ids[evs] = len(ev_ids)
+                    mk = mid | (evid << 32)
                     hit = memo.get(mk)
                     if hit is None:
                         if parent_mon is None:
                             parent_mon = _monitor_from_key(template, mkeys[mid])
                         child = parent_mon.copy()
-                        found: list[Violation] = []
-                        for ev in mk[1]:
-                            found.extend(child.feed(ev))
-                        hit = (intern_key(child.key()), tuple(found))
+                        found_v: list[Violation] = []
+                        for ev in evs:
+                            found_v.extend(child.feed(ev))
+                        nmid = intern_key(child.key())
+                        hit = (nmid, tuple(found_v)) if found_v else nmid
                         if len(memo) >= memo_limit:
                             memo.clear()
                         memo[mk] = hit
-                    nmid, bad = hit
+                    if type(hit) is int:
+                        nmid = hit
+                    else:
+                        nmid, bad = hit
                 else:
                     nmid = mid
                 if fast_key:
-                    key = nstate if nmid == 0 else (_PAIR, nstate, nmid)
+                    if scls_flat and type(nstate) is scls:
+                        key = nstate + (nmid, _PAIR)  # a plain tuple, also for a named tuple
+                    else:
+                        key = flat_key(nstate, nmid)
                 else:
                     key = product_key(nstate, nmid)
                 if bad:
@@ -609,29 +850,59 @@ def explore(
                         fpset._grow()  # type: ignore[union-attr]
                         fp_table, fp_mask = fpset.table, fpset.mask  # type: ignore[union-attr]
                 else:
-                    before = len(visited)  # type: ignore[arg-type]
-                    visited.add(key)  # type: ignore[union-attr]
-                    if len(visited) == before:  # type: ignore[arg-type]
+                    if key in visited:  # type: ignore[operator]
                         if graph_ok:
                             edges.append((pidx, index_of[key], str(act)))  # type: ignore[index]
                         continue
+                    if kkey is not None and type(key) is tuple and key and key[-1] is _PAIR:
+                        key = kkey(key)
+                    visited.add(key)  # type: ignore[union-attr]
                 nidx = len(parents)
-                parents.append(pidx)
-                via.append(ai)
+                try:
+                    parents.append(pidx)
+                except OverflowError:
+                    parents = array("q", parents)
+                    parents.append(pidx)
+                try:
+                    via.append(ai)
+                except OverflowError:
+                    via = array("l", via)
+                    via.append(ai)
                 if graph_ok:
                     index_of[key] = nidx  # type: ignore[index]
                     edges.append((pidx, nidx, str(act)))
                     if nidx >= graph_limit:
                         graph_ok = False
                 if bad:
-                    if record("violation", bad[0].invariant, nidx, bad[0].message):
+                    stop = record("violation", bad[0].invariant, nidx, bad[0].message)
+                    if pb is not None:
+                        _, found = run_backend(pb, events, True)
+                        if found and record("violation", found[0].invariant, nidx, found[0].message):
+                            stop = True
+                    if stop:
                         stopped = True
                         break
                     continue  # a violating state is not expanded
+                if pb is not None:
+                    cb, found = run_backend(pb, events, False)
+                    if found:
+                        if record("violation", found[0].invariant, nidx, found[0].message):
+                            stopped = True
+                            break
+                        continue  # a corrupting state is not expanded
                 if check_state(nstate, nidx):
                     stopped = True
                     break
-                frontier.append((nstate, nmid))
+                if fast_key and fp_table is None and type(key) is tuple and key[-1] is _PAIR:
+                    frontier.append(key)  # the stored key: fields already interned
+                else:
+                    entry = flat_key(nstate, nmid)
+                    if ikey is not None and type(entry) is tuple and entry and entry[-1] is _PAIR:
+                        entry = ikey(entry)
+                    frontier.append(entry)
+                    entry = None
+                if pb is not None:
+                    bfront.append(cb)  # type: ignore[union-attr]
                 if nidx + 1 == limit:
                     complete = False
                     stopped = True
@@ -662,10 +933,14 @@ def explore(
             "states": n, "transitions": transitions, "depth": depth_reached,
             "queue": len(frontier), "seconds": seconds, "violations": len(pending), "done": True,
         })
+    peak_frontier = max(peak_frontier, len(frontier))
+    frontier.clear()
+    if bfront is not None:
+        bfront.clear()
 
     # -- counterexamples -------------------------------------------------
     for kind, inv, idx, message in pending:
-        cx = _counterexample(model, header, template, parents, via, idx, kind, inv, message)
+        cx = _counterexample(model, header, template, parents, via, idx, kind, inv, message, backend)
         if kind == "violation":
             violations.append(cx)
         elif kind == "deadlock":
@@ -673,13 +948,24 @@ def explore(
         else:
             inv_failures.append(cx)
 
+    # -- memory accounting: bytes of the stored structures ------------------
+    links = parents.itemsize * len(parents) + via.itemsize * len(via)
+    memory: dict[str, int] = {"links": links}
     if fpset is not None:
-        nbytes = fpset.nbytes() + parents.itemsize * len(parents) + via.itemsize * len(via)
-        bps: float | None = nbytes / n if n else None
+        memory["fingerprints"] = fpset.nbytes()
         coll: float | None = _collision_probability(n)
     else:
-        bps = None
+        memory["visited_set"] = sys.getsizeof(visited)
+        memory["keys"] = _key_bytes(visited, kinterner)  # type: ignore[arg-type]
         coll = None
+    memory["interned_parts"] = interner.nbytes() if interner is not None else 0
+    if kinterner is not None and kinterner is not interner:
+        memory["interned_parts"] += kinterner.nbytes()
+    stored = sum(memory.values())
+    bps: float | None = stored / n if n else None
+    memory["peak_frontier_entries"] = peak_frontier
+    memory["monitor_states"] = len(mkeys)
+    memory["memo_entries"] = len(memo)
 
     graph = None
     if keep_graph and graph_ok:
@@ -705,6 +991,7 @@ def explore(
         monitor_states=len(mkeys),
         graph=graph,
         header=header,
+        memory=memory,
     )
 
 
@@ -750,10 +1037,25 @@ def _counterexample(
     kind: str,
     inv: str,
     message: str,
+    backend: Callable[[], Any] | None = None,
 ) -> Counterexample:
     initial, path = _path(parents, via, idx)
     steps, state = replay(model, initial, path)
     found: tuple[Violation, ...] = ()
+    data: list[Violation] = []
+    if backend is not None and kind != "state-invariant":
+        # the data backend on the history as written (header on line 1); the
+        # end of the history when the step itself showed nothing
+        b = backend()
+        line = 1
+        for s in steps:
+            for ev in s.events:
+                line += 1
+                data.extend(b.apply(ev, line))
+        if not data:
+            data.extend(b.finish())
+        if inv == data[0].invariant if data else False:
+            message = data[0].message
     if template is not None:
         # the monitor of the history as written: header on line 1, events after
         mon = Monitor(header.policy, complete=True, workers=header.workers, skip=template.skip)
@@ -770,6 +1072,8 @@ def _counterexample(
         if match:
             message = match[0].message
             found = tuple(match) + tuple(v for v in found if v.invariant != inv)
+    if data:
+        found = (tuple(data) + found) if data[0].invariant == inv else (found + tuple(data))
     return Counterexample(inv, message, tuple(steps), kind, found, initial, state)
 
 

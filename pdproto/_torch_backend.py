@@ -254,6 +254,16 @@ class _Worker:
         self.restart_line: int | None = None
         self.last_write: dict[int, int] = {}  # block -> line of its last write or poison
 
+    def copy(self) -> "_Worker":
+        n = object.__new__(_Worker)
+        n.name, n.role, n.tp, n.heads = self.name, self.role, self.tp, self.heads
+        n.pools = [p.clone() for p in self.pools]
+        n.nblocks = self.nblocks
+        n.stamp = dict(self.stamp)
+        n.restart_stamp, n.restart_line = self.restart_stamp, self.restart_line
+        n.last_write = dict(self.last_write)
+        return n
+
 
 class _Gen:
     __slots__ = ("key", "tag", "prompt_len", "processed_len", "first_token", "prefill",
@@ -272,6 +282,15 @@ class _Gen:
         self.committed: tuple[str, tuple[int, ...], int] | None = None  # worker, table, line
         self.last_decode: tuple[str, tuple[int, ...], int, int] | None = None  # worker, table, pos, line
         self.transfers: list[str] = []
+
+    def copy(self) -> "_Gen":
+        n = object.__new__(_Gen)
+        for name in _Gen.__slots__:
+            setattr(n, name, getattr(self, name))
+        n.prefill = dict(self.prefill)
+        n.exp_tok = dict(self.exp_tok)
+        n.transfers = list(self.transfers)
+        return n
 
 
 class _Xfer:
@@ -297,6 +316,15 @@ class _Xfer:
         self.lost = False  # its source or target worker restarted while in flight
         self.early_freed: set[int] = set()  # target blocks freed while the writes were in flight
         self.drained = False
+
+    def copy(self) -> "_Xfer":
+        n = object.__new__(_Xfer)
+        for name in _Xfer.__slots__:
+            setattr(n, name, getattr(self, name))
+        if self.staged is not None:
+            n.staged = list(self.staged)  # snapshots are never written in place
+        n.early_freed = set(self.early_freed)
+        return n
 
 
 class TorchBackend:
@@ -443,9 +471,39 @@ class TorchBackend:
         return not self.violations
 
     def copy(self) -> "TorchBackend":
-        """An independent backend in the same state (CPU only)."""
+        """An independent backend in the same state.  On CUDA the copy is made on
+        the current stream after the side stream's pending copies (the new
+        backend has none pending)."""
         if self.cuda:
-            raise UsageError("TorchBackend.copy", str(self.device), "a CPU backend")
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self._stream)
+            for evs in self._pending_events.values():
+                evs.clear()
+        new = object.__new__(TorchBackend)
+        d = self.__dict__.copy()
+        d["violations"] = list(self.violations)
+        d["_out"] = []
+        d["_workers"] = {k: w.copy() for k, w in self._workers.items()}
+        d["_owner"] = dict(self._owner)
+        d["_gens"] = {k: g.copy() for k, g in self._gens.items()}
+        d["_tags"] = list(self._tags)
+        d["_tickets"] = dict(self._tickets)
+        d["_xfers"] = {k: t.copy() for k, t in self._xfers.items()}
+        d["_lazy"] = {k: set(v) for k, v in self._lazy.items()}
+        d["_writers"] = {k: set(v) for k, v in self._writers.items()}
+        d["_final"] = dict(self._final)
+        d["_segments"] = dict(self._segments)
+        d["_pending_events"] = {k: [] for k in self._pending_events}
+        d["_reported"] = set(self._reported)
+        if self.cuda:
+            d["_stream"] = torch.cuda.Stream(device=self.device)
+        new.__dict__ = d
+        return new
+
+    def deepcopy(self) -> "TorchBackend":
+        """:func:`copy.deepcopy` of the backend (CPU only; the reference for :meth:`copy`)."""
+        if self.cuda:
+            raise UsageError("TorchBackend.deepcopy", str(self.device), "a CPU backend")
         return _copy.deepcopy(self)
 
     def pool(self, worker: str, rank: int = 0) -> torch.Tensor:

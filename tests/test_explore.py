@@ -151,7 +151,8 @@ def test_fingerprint_agrees_with_exact():
         assert (fp.states, fp.transitions, fp.depth) == (exact.states, exact.transitions, exact.depth)
         assert [c.invariant for c in fp.failures] == [c.invariant for c in exact.failures]
         assert 0 < fp.collision_probability < 1e-12
-        assert fp.bytes_per_state is not None and exact.bytes_per_state is None
+        assert fp.bytes_per_state is not None and exact.bytes_per_state is not None
+        assert fp.memory["fingerprints"] > 0 and exact.memory["keys"] > 0
 
 
 def test_fingerprint_bytes_per_state_small():
@@ -369,3 +370,45 @@ def test_docs_example_model(capsys, tmp_path):
     rc, out, _ = _cli(["check", str(path), "--json"], capsys)
     obj = json.loads(out)
     assert rc == 1 and obj["violations"][0]["invariant"] == "early-source-free"
+
+
+# -- memory --------------------------------------------------------------------
+
+
+def test_memory_accounting_and_fingerprint_is_far_smaller():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import toy_model
+
+    model = toy_model.build((3, 40))  # 68,921 states
+    exact = explore(model, symmetry=False)
+    fp = explore(model, symmetry=False, fingerprint=True)
+    assert exact.states == fp.states == 41 ** 3
+    for r in (exact, fp):
+        assert r.bytes_per_state is not None and r.bytes_per_state > 0
+        assert r.memory["links"] == 6 * r.states  # int32 parent, uint16 action index
+        assert r.to_dict()["memory"] == dict(r.memory)
+    assert exact.memory["keys"] > 0 and exact.memory["visited_set"] > 0
+    assert fp.bytes_per_state <= 40
+    assert fp.bytes_per_state * 3 < exact.bytes_per_state
+    assert exact.bytes_per_state <= 300
+
+
+def test_interned_states_share_parts_and_keep_verdicts():
+    from pdproto._loader import load_model
+
+    model, _ = load_model(None, faults={"cancel": 1, "transfer_fail": 1, "restart": 1})
+    a = explore(model, symmetry=False, stop_on_first=False)
+    b = explore(model, symmetry=False, stop_on_first=False, intern=False)
+    assert (a.states, a.transitions, a.depth, a.ok) == (b.states, b.transitions, b.depth, b.ok)
+    assert a.memory["interned_parts"] > 0 and b.memory["interned_parts"] == 0
+    assert a.bytes_per_state < b.bytes_per_state
+
+
+@pytest.mark.parametrize("mutant", ["p_frees_source_on_timer", "restart_without_fencing"])
+def test_interning_keeps_mutant_counterexamples(mutant):
+    from pdproto._loader import load_model
+
+    model, _ = load_model(mutant)
+    a = explore(model)
+    b = explore(model, intern=False)
+    assert [(c.invariant, len(c.trace)) for c in a.failures] == [(c.invariant, len(c.trace)) for c in b.failures]

@@ -12,6 +12,12 @@ from .._errors import UsageError
 
 EXIT_OK, EXIT_VIOLATION, EXIT_BAD_INPUT = 0, 1, 2
 GRAPH_LIMIT = 20_000
+#: with --backend torch: the search stops here unless --max-states says otherwise ...
+BACKEND_DEFAULT_STATES = 200_000
+#: ... and --max-states above this is refused (every frontier state holds KV pools)
+BACKEND_MAX_STATES = 2_000_000
+#: KV shapes of the backend along the search: tiny, the protocol needs no more
+BACKEND_LAYERS, BACKEND_KV_HEADS, BACKEND_HEAD_DIM = 1, 2, 8
 
 
 def add_parser(sub: Any) -> None:
@@ -46,6 +52,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-symmetry", action="store_true", help="do not reduce by symmetry")
     p.add_argument("--continue", dest="keep_going", action="store_true",
                    help="keep exploring after a counterexample (one shortest trace per invariant)")
+    p.add_argument("--backend", choices=("torch",), default=None,
+                   help="also run every explored step on real paged KV buffers (torch) along the "
+                   "breadth-first tree and report kv-corruption (capped at "
+                   f"{BACKEND_DEFAULT_STATES:,} states unless --max-states, at most "
+                   f"{BACKEND_MAX_STATES:,})")
+    p.add_argument("--device", default=None, help="with --backend torch: cpu (default) or cuda")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
+                   help="with --backend torch: KV dtype (default bfloat16)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--out", metavar="TRACE.jsonl",
                    help="write the (first) counterexample as a history that `pdproto audit` reads")
@@ -75,16 +89,24 @@ def run(args: argparse.Namespace, console: Any) -> int:
         raise UsageError("--graph", args.graph, "a file name ending in .graphml or .dot")
     if args.graph is not None and args.fingerprint:
         raise UsageError("--graph with --fingerprint", args.graph, "exact mode (drop --fingerprint)")
+    backend_opts = _backend_options(args)
     faults = parse_faults(args.faults) if args.faults is not None else None
     model, info = load_model(
         args.model, mode=args.mode, requests=args.requests, blocks=args.blocks, faults=faults
     )
+    max_states = args.max_states
+    backend = None
+    if backend_opts is not None:
+        backend = _backend_factory(model, backend_opts)
+        if max_states is None:
+            max_states = BACKEND_DEFAULT_STATES
 
     progress, live = _progress(args)
     try:
         result = explore(
             model,
-            max_states=args.max_states,
+            backend=backend,
+            max_states=max_states,
             symmetry=not args.no_symmetry,
             fingerprint=args.fingerprint,
             progress=progress,
@@ -116,12 +138,58 @@ def run(args: argparse.Namespace, console: Any) -> int:
         obj["expected"] = info.expected
         if written is not None:
             obj["out"] = written
+        if backend_opts is not None:
+            obj["backend"] = dict(backend_opts, name="torch", max_states=max_states)
         if args.graph is not None:
             obj["graph"] = args.graph
         print(json.dumps(obj), file=console.file)
     else:
-        _report(console, result, info, written, args)
+        _report(console, result, info, written, args, backend_opts)
     return EXIT_OK if result.ok else EXIT_VIOLATION
+
+
+def _backend_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Check the --backend options (before loading anything); None without --backend."""
+    if args.backend is None:
+        for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
+            if value is not None:
+                raise UsageError(flag, value, "--backend torch along with it")
+        return None
+    if args.max_states is not None and args.max_states > BACKEND_MAX_STATES:
+        raise UsageError(
+            "--max-states with --backend torch", args.max_states,
+            f"at most {BACKEND_MAX_STATES:,} (every state of the search frontier holds its own "
+            "KV pools; check larger spaces without --backend)",
+        )
+    return {
+        "device": args.device or "cpu",
+        "dtype": args.dtype or "bfloat16",
+        "layers": BACKEND_LAYERS,
+        "kv_heads": BACKEND_KV_HEADS,
+        "head_dim": BACKEND_HEAD_DIM,
+    }
+
+
+def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
+    """A factory of torch backends for ``model``'s header; imports torch (a
+    clear error, exit 2, when it is missing)."""
+    from .._history import HistoryHeader
+    from ._replay import _load_backend
+
+    tb = _load_backend()
+    header = getattr(model, "header", None) or HistoryHeader()
+    # one backend now: a bad --device or --dtype fails before the search
+    first = tb.TorchBackend(header, device=opts["device"], dtype=opts["dtype"], layers=opts["layers"],
+                            kv_heads=opts["kv_heads"], head_dim=opts["head_dim"])
+    opts["device"] = str(first.device)
+    opts["dtype"] = first.layout.dtype
+    opts["block_size"] = first.layout.block_size
+
+    def factory() -> Any:
+        return tb.TorchBackend(header, device=opts["device"], dtype=opts["dtype"], layers=opts["layers"],
+                               kv_heads=opts["kv_heads"], head_dim=opts["head_dim"])
+
+    return factory
 
 
 # -- output -------------------------------------------------------------------
@@ -195,7 +263,8 @@ def _event_text(ev: Any) -> str:
     return f"{name}(" + " ".join(parts) + ")"
 
 
-def _report(console: Any, result: Any, info: Any, written: str | None, args: argparse.Namespace) -> None:
+def _report(console: Any, result: Any, info: Any, written: str | None, args: argparse.Namespace,
+            backend_opts: dict[str, Any] | None = None) -> None:
     from rich.table import Table
 
     verdict = "[bold green]OK[/]" if result.ok else "[bold red]FAILED[/]"
@@ -210,11 +279,24 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
     table.add_row("distinct states", f"{result.states:,}" + ("" if result.complete else
                   (" (truncated by --max-states: not exhaustive)" if result.truncated
                    else " (stopped at the first counterexample)")))
+    if result.truncated and backend_opts is not None and args.max_states is None:
+        table.add_row("", f"[yellow]--backend torch stops at {BACKEND_DEFAULT_STATES:,} states unless "
+                      f"--max-states (at most {BACKEND_MAX_STATES:,})[/]")
     table.add_row("transitions", f"{result.transitions:,}")
     table.add_row("depth", str(result.depth))
     sps = result.states_per_second
     table.add_row("time", f"{result.seconds:.2f} s ({sps:,.0f} states/s)")
     table.add_row("symmetry", result.symmetry)
+    if backend_opts is not None:
+        o = backend_opts
+        table.add_row(
+            "backend",
+            f"torch on {o['device']} ({o['dtype']}, {o['layers']} layer x {o['kv_heads']} KV heads x head "
+            f"dim {o['head_dim']}, block size {o['block_size']}): every step of the breadth-first tree "
+            "replayed on KV buffers",
+        )
+    if result.bytes_per_state is not None and not result.fingerprint:
+        table.add_row("storage", f"exact states, {result.bytes_per_state:.0f} bytes/state stored")
     if result.fingerprint:
         table.add_row(
             "storage",
