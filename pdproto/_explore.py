@@ -37,7 +37,7 @@ import sys
 import time
 from array import array
 from collections import deque
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import attrs
 

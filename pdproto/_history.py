@@ -252,11 +252,10 @@ class HistoryReader:
         try:
             event = parse_event(obj)
         except HistoryFormatError as exc:
+            error = exc
             if _is_header(obj):
-                exc = HistoryFormatError(
-                    "a header is allowed only as the first line", value=obj
-                )
-            raise exc.located(self.name, line) from None
+                error = HistoryFormatError("a header is allowed only as the first line", value=obj)
+            raise error.located(self.name, line) from None
         if self.header.workers is not None:
             self._check_workers(event, line)
         return event

@@ -898,7 +898,6 @@ class TorchBackend:
     def _report_wrong(self, g: _Gen, w: _Worker, blk: int, bi: int, p0: int, r: int,
                       act: torch.Tensor, exp: torch.Tensor, what: str, line: int,
                       witness: Iterable[int | None], transfer: str | None, ticket: str | None) -> None:
-        bs = self.layout.block_size
         # the first wrong element over all ranks: lowest position, then layer
         best = None
         for rr in range(w.tp):

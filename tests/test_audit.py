@@ -4,7 +4,6 @@ JSON output and clean errors."""
 from __future__ import annotations
 
 import glob
-import io
 import json
 import os
 import subprocess

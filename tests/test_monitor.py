@@ -13,19 +13,16 @@ import os
 import pytest
 from conftest import ROOT
 
-from make_examples import WORKERS, cancel_mid_transfer, drop, insert_after, pull_handoff, push_handoff, replace
+from make_examples import WORKERS, cancel_mid_transfer, drop, pull_handoff, push_handoff, replace
 from pdproto import (
     INVARIANTS,
     Alloc,
     Cancel,
     Commit,
     Decode,
-    Fail,
-    Finish,
     Free,
     Monitor,
     PrefillDone,
-    PrefillStart,
     Reserve,
     Restart,
     Submit,

@@ -269,7 +269,7 @@ def test_clean_restart_and_retry_stays_clean():
     events = handoff()[:5] + [
         Restart("P0", 1),
         TransferFailed("x-r1-0"),
-        Fail("r1", 0) if False else Cancel("r1", 0),
+        Cancel("r1", 0),
         Free("D0", (0, 1), "r1", 0),
     ] + handoff("r1", 1, p=(0, 1), d=(0, 1), tid="x2", ticket="t2") + decodes("r1", 1)
     monitor, backend = run_backend(events)

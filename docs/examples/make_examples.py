@@ -18,7 +18,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from pdproto import (  # noqa: E402
-    Alloc,
     Cancel,
     Commit,
     Decode,
@@ -29,7 +28,6 @@ from pdproto import (  # noqa: E402
     PrefillDone,
     PrefillStart,
     Reserve,
-    Restart,
     Submit,
     TransferAbort,
     TransferFailed,
