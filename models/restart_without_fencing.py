@@ -16,6 +16,10 @@ DEFAULT_CONFIG = ModelConfig(mode="push", requests=2, blocks=1, faults={"restart
 
 class RestartWithoutFencing(HandoffModel):
     name = "restart_without_fencing"
+    # The blocks a stale write can still land on look free to this model but
+    # not to the monitor, so free blocks are not interchangeable: no block
+    # renaming (requests and workers are still symmetric).
+    SYMMETRIC_BLOCKS = False
 
     def quarantined(self, s, w):
         # BUG: no fencing of the old incarnation's writes

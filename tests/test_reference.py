@@ -16,7 +16,7 @@ import models
 from pdproto._config import FAULT_KINDS, ModelConfig
 from pdproto._model import Action, ActionNotEnabled
 from pdproto._monitor import Monitor
-from pdproto._reference import Handoff, HandoffModel, transition_table, transition_table_markdown
+from pdproto._reference import Handoff, HandoffModel, HState, transition_table, transition_table_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MUTANTS = sorted(
@@ -29,10 +29,17 @@ def monitor_for(model: HandoffModel) -> Monitor:
 
 
 def bfs(model, max_states=2_000_000):
-    """Breadth-first search over (model state, monitor key).  Returns
-    (states, first finding) where a finding is (invariant, path, kind)."""
+    """Breadth-first search over (model state, monitor key), independent of
+    pdproto._explore (no symmetry, no interning, no memo).  Returns (states,
+    first finding) where a finding is (invariant, path, kind).
+
+    The first finding is a shortest one: a violation is a property of the
+    transition (checked before the target is looked up in ``seen``, so one
+    into a product state seen before still counts), found while expanding
+    depth d - 1; a deadlock (quiet state breaking ``leak``/``stuck``) of depth
+    d is found when that state is popped, after every state of depth d - 1
+    was expanded."""
     mon0 = monitor_for(model)
-    found = None
     seen = set()
     frontier = deque()
     for s in model.initial_states():
@@ -61,7 +68,7 @@ def bfs(model, max_states=2_000_000):
             if len(seen) > max_states:
                 raise AssertionError("state space too big")
             frontier.append((ns, child, path + (a,)))
-    return len(seen), found
+    return len(seen), None
 
 
 @pytest.fixture(params=["push", "pull"])
@@ -156,12 +163,19 @@ def test_reference_two_requests_some_faults(mode):
     assert found is None, found
 
 
-@pytest.mark.skipif(not os.environ.get("PDPROTO_SLOW"), reason="set PDPROTO_SLOW=1 (about 40 s)")
-def test_reference_default_config_exhaustive(mode):
+@pytest.mark.slow
+def test_reference_default_config_pull_explored():
+    """The reference's default configuration in pull mode, explored in full
+    (push is checked by tests/test_models.py through ``pdproto check``)."""
+    from pdproto._explore import explore
+
     ref = importlib.import_module("models.reference")
-    m = ref.build(attrs.evolve(ref.DEFAULT_CONFIG, mode=mode))
-    states, found = bfs(m, max_states=5_000_000)
-    assert found is None, found
+    r = explore(ref.build(attrs.evolve(ref.DEFAULT_CONFIG, mode="pull")))
+    assert r.complete and not r.truncated
+    assert r.ok and not r.violations and not r.deadlocks and not r.invariant_failures, [
+        (c.invariant, [str(st.action) for st in c.trace]) for c in r.failures
+    ]
+    assert not r.unmet_sometimes and set(r.met_sometimes) == set(ref.build(attrs.evolve(ref.DEFAULT_CONFIG, mode="pull")).sometimes)
 
 
 def test_sometimes_reachable_small(mode):
@@ -201,6 +215,25 @@ def test_mutant_caught_by_intended_invariant(name):
         assert kind == "deadlock"
 
 
+@pytest.mark.parametrize("symmetry", [True, False], ids=["symmetry", "no-symmetry"])
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_counterexample_is_shortest(name, symmetry):
+    """The explorer's counterexample has exactly the shortest length this
+    file's own BFS finds, and the intended invariant."""
+    from pdproto._explore import explore
+
+    mod = importlib.import_module(f"models.{name}")
+    _, found = bfs(mod.build(mod.DEFAULT_CONFIG))
+    assert found is not None, name
+    shortest = len(found[1])
+    r = explore(mod.build(mod.DEFAULT_CONFIG), symmetry=symmetry)
+    assert r.failures, name
+    cx = r.failures[0]
+    assert cx.invariant == mod.EXPECTED, (name, cx.invariant)
+    assert len(cx.trace) == shortest, (name, len(cx.trace), shortest, [str(st.action) for st in cx.trace])
+    assert cx.kind == ("deadlock" if mod.EXPECTED in ("leak", "stuck") else "violation")
+
+
 def test_doc_table_matches_code():
     doc = open(os.path.join(ROOT, "docs", "protocol.md")).read()
     for mode in ("push", "pull"):
@@ -233,3 +266,180 @@ def test_table_lists_every_emitted_event(mode):
             if "cleanup" in rows[kind]["effect"]:
                 listed |= set(re.findall(r"[a-z_]+", rows["cleanup"]["events"]))
         assert evs <= listed, (kind, evs - listed)
+
+
+# -- symmetry reduction ------------------------------------------------------
+
+
+def _reachable(model):
+    """Every reachable (model state, monitor) pair, without symmetry."""
+    mon0 = monitor_for(model)
+    seen = {}
+    frontier = deque()
+    for s in model.initial_states():
+        seen[(s, mon0.key())] = mon0
+        frontier.append((s, mon0))
+    while frontier:
+        s, mon = frontier.popleft()
+        for a in model.actions(s):
+            ns, evs = model.step(s, a)
+            child = mon.copy()
+            if child.feed_all(evs):
+                continue
+            key = (ns, child.key())
+            if key not in seen:
+                seen[key] = child
+                frontier.append((ns, child))
+    return seen
+
+
+SYM_CONFIGS = [
+    pytest.param(dict(requests=2, blocks=2, faults={"cancel": 1, "restart": 1}), id="r2b2-cancel-restart"),
+    pytest.param(dict(requests=3, blocks=2, faults={"cancel": 1}), id="r3b2-cancel", marks=pytest.mark.slow),
+    pytest.param(dict(requests=2, blocks=2, faults={"transfer_fail": 1, "retry": 1, "timeout": 1}), id="r2b2-fail-retry"),
+    pytest.param(dict(requests=2, blocks=1, prefill_workers=2, decode_workers=2, faults={"restart": 1}), id="2P2D-restart"),
+    pytest.param(dict(requests=2, blocks=2, faults={"loss": 1, "dup": 1, "reorder": 1}), id="r2b2-net", marks=pytest.mark.slow),
+]
+
+
+def _orbit(model, s, mkey):
+    """Every image of the product state (s, mkey) under a renaming of the
+    submitted requests, of the workers of one role and of the blocks of each
+    pool: written here independently of HandoffModel.symmetry."""
+    from itertools import permutations, product
+
+    from pdproto._explore import rename_monitor_key
+
+    reqs, xfers, msgs, inc, budget = s
+    n = sum(1 for q in reqs if q.gen >= 0)
+    np_, nw, nb = model.np, len(model.wname), model.nblocks
+    gens = range(model.budget0[FAULT_KINDS.index("retry")] + 1)
+    out = set()
+    for rperm in permutations(range(n)):
+        rp = list(rperm) + list(range(n, len(reqs)))
+        for pp in permutations(range(np_)):
+            for dp in permutations(range(np_, nw)):
+                wp = pp + dp
+                for bps in product(*(list(permutations(range(nb))) for _ in range(nw))):
+                    def B(w, bs):
+                        return tuple(bps[w][b] for b in bs)
+
+                    nreqs = [None] * len(reqs)
+                    for r, q in enumerate(reqs):
+                        if q.gen >= 0:
+                            q = q._replace(p=wp[q.p], d=wp[q.d], src=B(q.p, q.src), dst=B(q.d, q.dst))
+                        nreqs[rp[r]] = q
+                    nx = tuple(
+                        x._replace(r=rp[x.r], p=wp[x.p], src=B(x.p, x.src), d=wp[x.d], dst=B(x.d, x.dst))
+                        for x in xfers
+                    )
+                    nm = tuple(m._replace(r=rp[m.r], frm=wp[m.frm], to=wp[m.to]) for m in msgs)
+                    ninc = [0] * nw
+                    for w in range(nw):
+                        ninc[wp[w]] = inc[w]
+                    names = {}
+                    for r in range(n):
+                        names[model.rname[r]] = model.rname[rp[r]]
+                        for g in gens:
+                            names[model.ticket(r, g)] = model.ticket(rp[r], g)
+                            names[model.transfer_id(r, g)] = model.transfer_id(rp[r], g)
+                    for w in range(nw):
+                        names[model.wname[w]] = model.wname[wp[w]]
+                    blocks = {(model.wname[w], b): bps[w][b] for w in range(nw) for b in range(nb)}
+                    ns = HState(tuple(nreqs), nx, nm, tuple(ninc), budget)
+                    out.add((ns, _live(rename_monitor_key(mkey, names, blocks))))
+    return frozenset(out)
+
+
+def _live(mkey):
+    """The monitor key without dead data: the block ids of a transfer that no
+    longer reads (writes) are never looked at again (Monitor._stop), so two
+    histories differing only there have the same future verdicts."""
+    i = Monitor._VERDICT.index("_transfers")
+    ts = frozenset(
+        (tid, t._replace(src_blocks=t.src_blocks if t.reading else (), dst_blocks=t.dst_blocks if t.writing else ()))
+        for tid, t in mkey[i]
+    )
+    return mkey[:i] + (ts,) + mkey[i + 1 :]
+
+
+@pytest.mark.parametrize("cfg", SYM_CONFIGS)
+def test_symmetry_reduction_is_sound(mode, cfg):
+    """Symmetry reduction loses no reachable behaviour: a breadth-first search
+    keyed by the canonical form (the model state from ``symmetry``, the
+    monitor key renamed with the same Renaming, as pdproto._explore does)
+    reaches a representative of every orbit of the reachable product states
+    (orbits computed by brute force over every renaming), keeps one key per
+    state it stores, and stores as many states as the explorer."""
+    from pdproto._explore import Renaming, explore, rename_monitor_key
+
+    model = HandoffModel(ModelConfig(mode=mode, **cfg))
+
+    def canon(s, mkey):
+        cs, ren = model.symmetry(s)
+        if ren is not None:
+            assert isinstance(ren, Renaming)
+            mkey = rename_monitor_key(mkey, ren.names, ren.blocks)
+        return cs, mkey
+
+    # the reduced search
+    mon0 = monitor_for(model)
+    (s0,) = model.initial_states()
+    seen = {canon(s0, mon0.key())}
+    reps = [(s0, mon0.key())]
+    frontier = deque([(s0, mon0)])
+    while frontier:
+        s, mon = frontier.popleft()
+        for a in model.actions(s):
+            ns, evs = model.step(s, a)
+            child = mon.copy()
+            assert not child.feed_all(evs)
+            k = canon(ns, child.key())
+            if k not in seen:
+                seen.add(k)
+                reps.append((ns, child.key()))
+                frontier.append((ns, child))
+    everything = _reachable(model)
+    orbits = {_orbit(model, s, mk) for (s, mk) in everything}
+    rep_orbits = {_orbit(model, s, mk) for (s, mk) in reps}
+    assert rep_orbits == orbits
+    # the canonical key is the image of the state under one renaming
+    for s, mk in reps:
+        cs, cmk = canon(s, mk)
+        assert (cs, _live(cmk)) in _orbit(model, s, mk)
+    r = explore(model)
+    assert r.symmetry == "renaming" and not r.failures and r.complete
+    assert r.states == len(reps) < len(everything) == explore(model, symmetry=False).states
+    assert len(orbits) <= r.states
+
+
+@pytest.mark.parametrize("cfg", SYM_CONFIGS)
+def test_free_blocks_are_blank(mode, cfg):
+    """Block renaming relies on the model's free blocks being interchangeable:
+    no block the model would hand out is owned, read, written, quarantined
+    or reserved in the monitor's view."""
+    model = HandoffModel(ModelConfig(mode=mode, **cfg))
+    for (s, _), mon in _reachable(model).items():
+        for w, wn in enumerate(model.wname):
+            for b in model.free_blocks(s, w):
+                wb = (wn, b)
+                assert not any(wb in getattr(mon, f) for f in ("_owner", "_quarantine", "_reading", "_writing", "_block_ticket")), (s, wb)
+
+
+def test_symmetry_renaming_matches_state():
+    """The Renaming names the ids of the renamed state: request r0 of the
+    canonical state is the request the renaming maps to "r0"."""
+    model = HandoffModel(ModelConfig(mode="push", requests=2, blocks=2))
+    h = Handoff(model=model)
+    h.do("submit", "r0")
+    h.do("submit", "r1")
+    h.do("reserve", "r0")  # r0 is further along (R after Q): the canonical order swaps them
+    cs, ren = model.symmetry(h.state)
+    assert ren is not None and ren.names["r1"] == "r0" and ren.names["r0"] == "r1"
+    assert ren.names["t:r0:0"] == "t:r1:0" and ren.names["x:r1:0:0"] == "x:r0:0:0"
+    assert cs.reqs[0] == h.state.reqs[1] and cs.reqs[1] == h.state.reqs[0]
+    assert model.symmetry(cs) == (cs, None)  # canonical forms are fixed points
+    # the identity is reported as None (no renaming of the monitor)
+    h2 = Handoff(model=model)
+    h2.do("submit", "r0")
+    assert model.symmetry(h2.state) == (h2.state, None)
