@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import time
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
@@ -55,6 +56,10 @@ __all__ = [
     "HandoffFailure",
     "FuzzStats",
     "handoff_machine",
+    "uniform_machine",
+    "reachable_states",
+    "canonical_function",
+    "format_steps",
     "configs",
     "fault_budgets",
     "PROFILES",
@@ -103,50 +108,152 @@ def _event_brief(event: Event) -> str:
     return "(" + ", ".join(f"{k}={v}" for k, v in d.items()) + ")"
 
 
+#: action kinds whose fault flavour belongs to a fault kind of FAULT_KINDS
+#: under another name (the reference model's vocabulary)
+FAULT_ACTION_KINDS = {
+    "lose": "loss",
+    "deliver": "reorder",
+    "xfer_fail": "transfer_fail",
+    "p_lease": "timeout",
+}
+
+
+def fault_kind(action: Action) -> str:
+    """The fault kind (a :data:`~pdproto.FAULT_KINDS` name when it maps to
+    one) of a fault action."""
+    return FAULT_ACTION_KINDS.get(action.kind, action.kind)
+
+
 @attrs.define
 class FuzzStats:
     """Coverage and speed of the fuzzing runs of one machine class.
 
-    ``states`` counts distinct states visited by their canonical form (the
-    explorer's symmetry reduction when the model offers it), ``actions`` and
-    ``faults`` count the steps of each action kind and fault kind.
+    ``states`` holds the distinct model states visited, by their canonical
+    form (:func:`canonical_function`: the explorer's symmetry reduction when
+    the model offers it).  ``steps`` counts every model step taken, those of
+    the rules and those teardown takes to reach quiescence
+    (``teardown_steps``).  ``actions`` and ``faults`` count the steps of each
+    action kind and fault kind.  ``reachable`` (set by the caller, e.g. from
+    :func:`reachable_states`) is the number of reachable states when the
+    configuration is small enough to count them; ``coverage`` is then
+    ``distinct_states / reachable``.  ``curve`` samples ``(steps,
+    distinct_states)`` every ``curve_every`` steps.
     """
 
     examples: int = 0
     steps: int = 0
+    teardown_steps: int = 0
+    episodes: int = 0
     seconds: float = 0.0
     states: set = attrs.field(factory=set, repr=False)
     actions: collections.Counter = attrs.field(factory=collections.Counter)
     faults: collections.Counter = attrs.field(factory=collections.Counter)
     failure: HandoffFailure | None = None
+    #: the example (counting from 1) that first failed; later ones are shrinking
+    found_at: int | None = None
+    reachable: int | None = None
+    curve: list = attrs.field(factory=list, repr=False)
+    curve_every: int = 500
 
     @property
     def distinct_states(self) -> int:
         return len(self.states)
 
+    @property
+    def coverage(self) -> float | None:
+        """Fraction of the reachable states visited (None when unknown)."""
+        if not self.reachable:
+            return None
+        return len(self.states) / self.reachable
+
+    def distinct_at(self, steps: int) -> int:
+        """Distinct states when ``steps`` model steps had been taken (from
+        :attr:`curve`; the current count if the run did not get that far)."""
+        for s, n in self.curve:
+            if s >= steps:
+                return n
+        return len(self.states)
+
     def to_dict(self) -> dict[str, Any]:
+        cov = self.coverage
         return {
             "examples": self.examples,
             "steps": self.steps,
+            "teardown_steps": self.teardown_steps,
+            "episodes": self.episodes,
             "seconds": round(self.seconds, 3),
             "steps_per_second": round(self.steps / self.seconds, 1) if self.seconds else 0.0,
             "examples_per_second": round(self.examples / self.seconds, 2) if self.seconds else 0.0,
             "distinct_states": self.distinct_states,
+            "reachable_states": self.reachable,
+            "coverage": None if cov is None else round(cov, 5),
             "action_kinds": dict(sorted(self.actions.items())),
             "fault_kinds": dict(sorted(self.faults.items())),
+            "found_at_example": self.found_at,
         }
 
 
 def canonical_function(model: Any) -> Callable[[Any], Hashable]:
     """The state's canonical form for counting distinct states: the model's
-    ``symmetry(state)[0]`` or ``canonical(state)``, else the state itself."""
+    ``symmetry(state)[0]`` or ``canonical(state)``, else the state itself
+    (the same form :func:`pdproto._explore.explore` keys model states by)."""
     sym = getattr(model, "symmetry", None)
-    if sym is not None:
+    if callable(sym):
         return lambda s: sym(s)[0]
     canon = getattr(model, "canonical", None)
-    if canon is not None:
+    if callable(canon):
         return canon
     return lambda s: s
+
+
+def reachable_states(model: Any, max_states: int = 2_000_000) -> int | None:
+    """The number of distinct reachable model states (canonical form, no
+    monitor), by a breadth-first search with
+    :func:`pdproto._explore.explore`; None when there are more than
+    ``max_states``.  This is what :attr:`FuzzStats.coverage` divides by:
+    the explorer's own ``states`` count pairs each model state with a
+    monitor state, which fuzzing does not count."""
+    from ._explore import explore
+
+    result = explore(model, monitor=False, check_deadlock=False, max_states=max_states,
+                     stop_on_first=False)
+    if result.truncated or not result.complete:
+        return None
+    return result.states
+
+
+def _weighted_index(data: Any, weights: Sequence[float], label: str) -> int:
+    """Draw an index into a list of ``len(weights)`` candidates.
+
+    The *meaning* of the drawn value is the index alone (so a replayed or
+    shrunk example means the same thing whatever the weights are); the
+    weights only shape how often fresh examples pick each index.  Uses
+    Hypothesis's weighted integer draw, and a plain uniform draw where it is
+    not available."""
+    n = len(weights)
+    if n == 1:
+        return 0
+    total = sum(weights)
+    if total > 0 and n <= 255 and _WEIGHTED[0]:
+        scale = 0.96 / total  # the rest: uniform over every index
+        w = {i: x * scale for i, x in enumerate(weights) if x > 0}
+        try:
+            return data.conjecture_data.draw_integer(0, n - 1, weights=w)
+        except (AttributeError, TypeError):  # another Hypothesis: no weighted draw
+            _WEIGHTED[0] = False
+    return data.draw(st.integers(0, n - 1), label=label)
+
+
+_WEIGHTED = [True]
+#: the share of fresh choices left to the example's pseudo-random walk
+WALK_SHARE = 0.5
+#: how much steering prefers an action leading to a state this example has not seen
+STEER_BOOST = 8.0
+
+#: swarm levels of an action kind: its weight relative to the others
+_LEVELS = (1.0, 4.0, 0.02)  # normal, hot, off (only as a last resort)
+#: how likely a step is a fault, when faults and progress are both enabled
+_FAULT_RATES = (0.3, 0.1, 0.5, 0.7)
 
 
 def handoff_machine(
@@ -156,16 +263,31 @@ def handoff_machine(
     swarm: bool = True,
     steer: bool = True,
     quiesce: bool = True,
+    backend: Callable[[Any], Any] | None = None,
+    stats: FuzzStats | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A Hypothesis ``RuleBasedStateMachine`` class that fuzzes ``model``.
 
     ``out``: where the failing history is written (rewritten at every
     failure, so after shrinking it holds the minimal one).  ``swarm``: draw
-    per example which fault kinds are on.  ``steer``: prefer actions leading
-    to states this example has not seen.  ``quiesce``: at teardown, drive to
-    quiescence and apply the end-of-history checks.  With all three off the
-    machine chooses uniformly among enabled actions (the baseline that
-    ``benchmarks/fuzz_speed.py`` compares against).
+    per example which action kinds and fault kinds are hot, normal or off,
+    how eager it is to inject faults and after how many progress steps.
+    ``steer``: weight the choice toward actions whose next state no run has
+    visited yet (the weights only bias generation: a drawn choice means the
+    same action on replay, so shrinking and the example database work).
+    ``quiesce``: when the system goes quiet (nothing enabled), apply the
+    end-of-history checks (leak, stuck) and start a new episode from the
+    initial state; at teardown, drive the current episode to quiescence
+    (progress actions only: deliver, time out, finish) and check it.
+    ``backend``: a factory ``backend(header)`` of a data-level backend
+    (``apply(event, line) -> violations``, ``finish() -> violations``, e.g.
+    :class:`pdproto._torch_backend.TorchBackend`); its findings fail the run
+    like the monitor's.  ``stats``: share a :class:`FuzzStats` between
+    machines.
+
+    With ``swarm``, ``steer`` and ``quiesce`` all off the machine is the
+    plain, uninstrumented baseline: one rule choosing uniformly among the
+    enabled actions (``benchmarks/fuzz_speed.py`` compares against it).
 
     The class has ``.TestCase`` (a unittest case, for pytest), ``.stats``
     (a :class:`FuzzStats` shared by its runs) and ``.model``.
@@ -174,91 +296,202 @@ def handoff_machine(
     canon = canonical_function(model)
     invariants = dict(getattr(model, "invariants", None) or {})
     out_path = os.fspath(out) if out is not None else None
-    stats = FuzzStats()
+    stats = stats if stats is not None else FuzzStats()
+    init = next(iter(model.initial_states()))
+    states = stats.states
+    curve = stats.curve
 
     class HandoffMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self._t0 = time.perf_counter()
-            self.state = next(iter(model.initial_states()))
-            self.monitor = Monitor(header.policy, complete=True, workers=header.workers)
-            self.trace: list[tuple[str, Action, tuple[Event, ...]]] = []
-            self.events: list[Event] = []
-            self.seen: set = {canon(self.state)}
-            self.fault_on: dict[str, bool] = {}
-            self.fault_rate = 2  # out of 4: how often a step may be a fault
+            self.level: dict[str, float] = {}
+            self.fault_rate = 0.0 if not swarm else _FAULT_RATES[0]
+            self.fault_delay = 0
             self.found: list[Violation] = []
+            self.episodes_here = 0
+            self.seen: set = set()  # states this example visited: what steering avoids
             self.new_global = 0
             stats.examples += 1
-            self._visit(self.state)
+            self._new_episode()
 
         # -- helpers ---------------------------------------------------------
 
+        def _new_episode(self, at: int = 0) -> None:
+            """Start an episode: from the initial state, or (``at`` > 0) from
+            step ``at`` of the episode that just ended (its history up to
+            there is kept and re-fed to a fresh monitor: no model step)."""
+            if at:
+                self.trace = self.trace[:at]
+                self.events = self.events[: self.path_events[at]]
+                self.path_states = self.path_states[: at + 1]
+                self.path_events = self.path_events[: at + 1]
+                self.state = self.path_states[at]
+            else:
+                self.state = init
+                self.trace: list[tuple[str, Action, tuple[Event, ...]]] = []
+                self.events: list[Event] = []
+                self.path_states = [init]  # the state after each step of the episode
+                self.path_events = [0]  # len(events) after each step
+            self.monitor = Monitor(header.policy, complete=True, workers=header.workers)
+            for line, event in enumerate(self.events, 2):
+                self.monitor.feed(event, line)
+            self.backend = backend(header) if backend is not None else None
+            self.episode_steps = at
+            self.episodes_here += 1
+            stats.episodes += 1
+            self._visit(self.state)
+
         def _visit(self, state: Any) -> None:
             key = canon(state)
-            if key not in stats.states:
-                stats.states.add(key)
+            if key not in states:
+                states.add(key)
                 self.new_global += 1
             self.seen.add(key)
 
-        def _take(self, action: Action) -> None:
-            state, events = model.step(self.state, action)
+        def _take(self, action: Action, nxt: Any = None) -> None:
+            if nxt is None:
+                nxt = model.step(self.state, action)
+            state, events = nxt
             self.state = state
             self.trace.append((action.actor, action, tuple(events)))
+            self.episode_steps += 1
             stats.steps += 1
+            if stats.steps % stats.curve_every == 0:
+                curve.append((stats.steps, len(states)))
             stats.actions[action.kind] += 1
             if action.fault:
-                stats.faults[action.kind] += 1
+                stats.faults[fault_kind(action)] += 1
             for event in events:
                 self.events.append(event)
-                self.found.extend(self.monitor.feed(event))
+                line = len(self.events) + 1  # the header is line 1
+                self.found.extend(self.monitor.feed(event, line))
+                if self.backend is not None:
+                    self.found.extend(self.backend.apply(event, line))
             self._visit(state)
+            self.path_states.append(state)
+            self.path_events.append(len(self.events))
 
-        def _fail(self, violation: Violation) -> None:
+        def _fail(self, violation: Violation, complete: bool = False) -> None:
             if out_path is not None:
                 # a history cut at a safety violation is not complete: leak and
                 # stuck apply only to one that ran until the system went quiet
-                complete = violation.invariant in END_INVARIANTS
                 write_history(out_path, self.events, attrs.evolve(header, complete=complete))
             failure = HandoffFailure(violation, self.trace, out_path)
             stats.failure = failure
+            if stats.found_at is None:
+                stats.found_at = stats.examples
             raise failure
 
-        def _fault_allowed(self, kind: str, data: Any) -> bool:
-            if kind not in self.fault_on:
-                self.fault_on[kind] = data.draw(st.booleans(), label=f"swarm: {kind} on")
-            return self.fault_on[kind]
+        def _end_of_history(self) -> None:
+            """The system is quiet: the end-of-history checks."""
+            end = self.monitor.end_violations()
+            if end:
+                self._fail(end[0], complete=True)
+            if self.backend is not None:
+                data = self.backend.finish()
+                if data:
+                    self._fail(data[0], complete=True)
+
+        def _level(self, kind: str, data: Any) -> float:
+            level = self.level.get(kind)
+            if level is None:
+                if swarm:
+                    level = _LEVELS[data.draw(st.integers(0, 2), label=f"swarm: {kind}")]
+                else:
+                    level = 1.0
+                self.level[kind] = level
+            return level
 
         # -- rules -----------------------------------------------------------
 
         @initialize(data=st.data())
         def choose_swarm(self, data: Any) -> None:
+            # first, so that it varies even where Hypothesis fills the rest of
+            # an example with its simplest choices
+            self.walk = data.draw(st.integers(0, 2**32 - 1), label="walk seed")
             if swarm:
-                self.fault_rate = data.draw(st.integers(0, 3), label="swarm: fault eagerness")
+                self.fault_rate = _FAULT_RATES[data.draw(st.integers(0, 3), label="swarm: fault rate")]
+                self.fault_delay = data.draw(st.integers(0, 3), label="swarm: progress first") * 4
 
         @precondition(lambda self: not self.found)
         @rule(data=st.data())
         def step(self, data: Any) -> None:
-            enabled = model.actions(self.state)
-            if not enabled:
+            if not swarm and not steer:
+                enabled = model.actions(self.state)
+                if not enabled:
+                    if not quiesce:
+                        return
+                    self._end_of_history()
+                    self._new_episode()
+                    enabled = model.actions(self.state)
+                if enabled:
+                    self._take(data.draw(st.sampled_from(enabled), label="action"))
                 return
-            candidates: Sequence[Action] = enabled
-            if swarm:
-                progress = [a for a in enabled if not a.fault]
-                faults = [a for a in enabled if a.fault and self._fault_allowed(a.kind, data)]
-                if progress and faults:
-                    # fault_rate 0: faults rarely; 3: as often as progress
-                    use_fault = data.draw(st.integers(0, 5), label="fault?") < self.fault_rate
-                    candidates = faults if use_fault else progress
+            for _ in range(1000):  # backtracking takes no model step
+                enabled = model.actions(self.state)
+                if not enabled:
+                    if not quiesce:
+                        return
+                    self._end_of_history()
+                    if not self._backtrack():
+                        return
+                    continue
+                n = len(enabled)
+                succ: list = [None] * n
+                idx: Sequence[int] = range(n)
+                if steer:
+                    seen = self.seen
+                    for i, a in enumerate(enabled):
+                        succ[i] = model.step(self.state, a)
+                    fresh = [i for i in range(n) if canon(succ[i][0]) not in seen]
+                    if not fresh and self._backtrack():
+                        continue
+                    idx = fresh or idx
+                weights = [1.0] * n
+                if swarm:
+                    counts = collections.Counter(a.kind for a in enabled)
+                    nfault = sum(1 for a in enabled if a.fault)
+                    rate = 0.0 if self.episode_steps < self.fault_delay else self.fault_rate
+                    if nfault == n:
+                        rate = 1.0
+                    elif nfault == 0:
+                        rate = 0.0
+                    for i, a in enumerate(enabled):
+                        share = rate if a.fault else 1.0 - rate
+                        weights[i] = share * self._level(a.kind + ("!" if a.fault else ""), data) / counts[a.kind]
+                walk_w = [weights[i] for i in idx]
+                if steer and len(idx) < n:
+                    for i in idx:
+                        weights[i] *= STEER_BOOST
+                # choice 0: the example's own pseudo-random walk among the
+                # candidates (seeded by a drawn seed, weighted by the swarm);
+                # choice i > 0: enabled[i - 1], whatever steering says, so a
+                # shrunk example keeps its meaning.  The weights only shape
+                # fresh generation.
+                total = sum(weights)
+                v = _weighted_index(data, [total * WALK_SHARE] + weights, "action")
+                if v == 0:
+                    i = idx[random.Random(self.walk).choices(range(len(idx)), weights=walk_w if sum(walk_w) > 0 else None)[0]]
                 else:
-                    candidates = progress or faults or enabled
-            if steer and len(candidates) > 1:
-                fresh = [a for a in candidates if canon(model.step(self.state, a)[0]) not in self.seen]
-                if fresh and len(fresh) < len(candidates):
-                    if data.draw(st.integers(0, 7), label="steer") != 0:
-                        candidates = fresh
-            action = data.draw(st.sampled_from(candidates), label="action")
-            self._take(action)
+                    i = v - 1
+                # every choice re-seeds the walk: examples that Hypothesis
+                # derives from one another by changing a choice part ways there
+                self.walk = hash((self.walk, v, n))
+                self._take(enabled[i], succ[i])
+                return
+
+        def _backtrack(self) -> bool:
+            """Go back one or two steps of the episode (nothing new ahead, or
+            the system went quiet): the search goes on next to where it was,
+            deep in the state space, instead of from the initial state.
+            False when there is nowhere to go back to."""
+            if not self.trace:
+                return False
+            back = 1 + (self.walk & 1)
+            self.walk = hash((self.walk, -1))
+            self._new_episode(max(0, len(self.trace) - back))
+            return True
 
         @invariant()
         def monitor_is_clean(self) -> None:
@@ -267,16 +500,14 @@ def handoff_machine(
             for name, holds in invariants.items():
                 if not holds(self.state):
                     self._fail(
-                        Violation(f"model:{name}", self.monitor.line,
+                        Violation(f"model:{name}", len(self.events) + 1,
                                   f"the model's state invariant {name!r} does not hold")
                     )
 
         def teardown(self) -> None:
             try:
-                if quiesce and not self.found:
+                if quiesce and not self.found and (self.episode_steps or self.episodes_here == 1):
                     self._quiesce()
-                if steer:
-                    target(float(self.new_global), label="new states")
             finally:
                 stats.seconds += time.perf_counter() - self._t0
 
@@ -286,15 +517,15 @@ def handoff_machine(
                 if not enabled:
                     break
                 progress = [a for a in enabled if not a.fault]
-                self._take(progress[0] if progress else enabled[0])
-                if self.found:
-                    self._fail(self.found[0])
+                if not progress:  # only faults are left: the system is quiet
+                    break
+                self._take(progress[0])
+                stats.teardown_steps += 1
+                self.monitor_is_clean()
             else:
-                self._fail(Violation("no-quiescence", self.monitor.line,
+                self._fail(Violation("no-quiescence", len(self.events) + 1,
                                      f"the system did not go quiet within {QUIESCE_LIMIT} steps"))
-            end = self.monitor.end_violations()
-            if end:
-                self._fail(end[0])
+            self._end_of_history()
 
     HandoffMachine.__name__ = HandoffMachine.__qualname__ = f"Fuzz_{_ident(model.name)}"
     HandoffMachine.stats = stats  # type: ignore[attr-defined]
@@ -302,9 +533,17 @@ def handoff_machine(
     HandoffMachine.TestCase.settings = settings(  # type: ignore[attr-defined]
         HandoffMachine.TestCase.settings,
         deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                               HealthCheck.data_too_large],
     )
     return HandoffMachine
+
+
+def uniform_machine(model: Any, **kwargs: Any) -> type[RuleBasedStateMachine]:
+    """The uninstrumented baseline: one rule drawing uniformly among the
+    enabled actions (``st.sampled_from``), no swarm, no steering, no
+    quiescence.  For comparisons (``benchmarks/fuzz_speed.py``)."""
+    return handoff_machine(model, swarm=False, steer=False, quiesce=False, **kwargs)
 
 
 def _ident(name: str) -> str:

@@ -33,8 +33,8 @@ def add_parser(sub: Any) -> None:
                    "module:attribute (default: the reference model)")
     p.add_argument("--examples", type=_positive, default=200, metavar="N",
                    help="runs to try (default 200)")
-    p.add_argument("--steps", type=_positive, default=60, metavar="N",
-                   help="steps per run before teardown drives it to quiescence (default 60)")
+    p.add_argument("--steps", type=_positive, default=300, metavar="N",
+                   help="rule steps per example before teardown drives it to quiescence (default 300)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="make the run repeatable")
     p.add_argument("--requests", type=_positive, metavar="N", help="number of requests")
     p.add_argument("--workers", metavar="P:D", help="prefill and decode worker counts, e.g. 2:2")
@@ -46,6 +46,14 @@ def add_parser(sub: Any) -> None:
                    help="write the shrunk failing history here (pdproto audit / replay read it)")
     p.add_argument("--no-database", action="store_true",
                    help="do not use Hypothesis's example database (.hypothesis/)")
+    p.add_argument("--backend", choices=("none", "torch"), default="none",
+                   help="also run every step on real KV buffers (torch; imported only then)")
+    p.add_argument("--device", default="cpu", help="torch device for --backend torch (cpu or cuda)")
+    p.add_argument("--dtype", default="float32", help="torch dtype for --backend torch")
+    p.add_argument("--coverage-exhaustive", type=_positive, nargs="?", const=2_000_000, default=None,
+                   metavar="MAX_STATES",
+                   help="first count every reachable model state (breadth-first, up to MAX_STATES) "
+                   "and report the fraction the fuzzing covered")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -88,8 +96,23 @@ def run(args: argparse.Namespace, console: Any) -> int:
         parent = os.path.dirname(os.path.abspath(out))
         if not os.path.isdir(parent):
             raise UsageError("--out", out, "a file in an existing directory")
-    machine = handoff_machine(model, out=out)
+    backend = None
+    if args.backend == "torch":
+        if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+            raise UsageError("--device", args.device, "cpu or cuda")
+        from .._torch_backend import TorchBackend
+
+        device, dtype = args.device, args.dtype
+
+        def backend(header: Any) -> Any:
+            return TorchBackend(header, device=device, dtype=dtype)
+
+    machine = handoff_machine(model, out=out, backend=backend)
     stats = machine.stats
+    if args.coverage_exhaustive is not None:
+        from ..testing import reachable_states
+
+        stats.reachable = reachable_states(model, max_states=args.coverage_exhaustive)
     database = None if args.no_database else DirectoryBasedExampleDatabase(".hypothesis/examples")
     test = get_state_machine_test(
         machine,
@@ -188,9 +211,10 @@ def _report(console: Any, result: dict[str, Any], failure: Any) -> None:
 
     verdict = "[green]ok[/]" if result["ok"] else "[red]VIOLATION[/]"
     table = Table(title=f"pdproto fuzz {result['model']}: {verdict}", show_header=False)
-    for key in ("examples", "steps", "seconds", "steps_per_second", "examples_per_second",
-                "distinct_states"):
-        table.add_row(key.replace("_", " "), str(result[key]))
+    for key in ("examples", "steps", "teardown_steps", "seconds", "steps_per_second",
+                "examples_per_second", "distinct_states", "reachable_states", "coverage"):
+        if result.get(key) is not None:
+            table.add_row(key.replace("_", " "), str(result[key]))
     table.add_row("action kinds", ", ".join(f"{k} {n}" for k, n in result["action_kinds"].items()))
     table.add_row("fault kinds", ", ".join(f"{k} {n}" for k, n in result["fault_kinds"].items()) or "-")
     if result["seed"] is not None:
