@@ -23,6 +23,17 @@ EXIT_BAD_INPUT = 2
 COMMANDS = ("check", "fuzz", "audit", "replay", "cost")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse turns the error into exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 

@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 from .._errors import UsageError
+from . import EXIT_OK, EXIT_VIOLATION, positive_int
 
-EXIT_OK, EXIT_VIOLATION, EXIT_BAD_INPUT = 0, 1, 2
 GRAPH_LIMIT = 20_000
 #: with --backend torch: the search stops here unless --max-states says otherwise ...
 BACKEND_DEFAULT_STATES = 200_000
@@ -36,14 +36,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--list", action="store_true", help="list the catalogue's models and exit")
     p.add_argument("--mode", choices=("push", "pull"), help="protocol family of the configuration")
-    p.add_argument("--requests", type=_positive_int, metavar="N", help="number of requests")
-    p.add_argument("--blocks", type=_positive_int, metavar="N", help="block pool size of every worker")
+    p.add_argument("--requests", type=positive_int, metavar="N", help="number of requests")
+    p.add_argument("--blocks", type=positive_int, metavar="N", help="block pool size of every worker")
     p.add_argument(
         "--faults", metavar="KIND=N,...",
         help="fault budgets replacing the model's defaults (kinds not named get 0), e.g. "
         "cancel=1,dup=1 (also all=1, none)",
     )
-    p.add_argument("--max-states", type=_positive_int, metavar="N", help="stop after N distinct states")
+    p.add_argument("--max-states", type=positive_int, metavar="N", help="stop after N distinct states")
     p.add_argument("--fingerprint", action="store_true",
                    help="keep 64-bit fingerprints instead of states (less memory; prints the "
                    "probability that a hash collision hid a state)")
@@ -65,15 +65,6 @@ def add_parser(sub: Any) -> None:
                    help=f"write the explored state graph (.graphml or .dot; at most {GRAPH_LIMIT} states)")
     p.set_defaults(run=run)
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 def run(args: argparse.Namespace, console: Any) -> int:

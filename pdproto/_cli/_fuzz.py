@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from .._errors import UsageError
-from . import EXIT_OK, EXIT_VIOLATION
+from . import EXIT_OK, EXIT_VIOLATION, positive_int
 
 
 def add_parser(sub: Any) -> None:
@@ -31,14 +31,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
                    help="a name from the catalogue (pdproto check --list), a model file, or "
                    "module:attribute (default: the reference model)")
-    p.add_argument("--examples", type=_positive, default=200, metavar="N",
+    p.add_argument("--examples", type=positive_int, default=200, metavar="N",
                    help="runs to try (default 200)")
-    p.add_argument("--steps", type=_positive, default=300, metavar="N",
+    p.add_argument("--steps", type=positive_int, default=300, metavar="N",
                    help="rule steps per example before teardown drives it to quiescence (default 300)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="make the run repeatable")
-    p.add_argument("--requests", type=_positive, metavar="N", help="number of requests")
+    p.add_argument("--requests", type=positive_int, metavar="N", help="number of requests")
     p.add_argument("--workers", metavar="P:D", help="prefill and decode worker counts, e.g. 2:2")
-    p.add_argument("--blocks", type=_positive, metavar="N", help="block pool size of every worker")
+    p.add_argument("--blocks", type=positive_int, metavar="N", help="block pool size of every worker")
     p.add_argument("--mode", choices=("push", "pull"), help="protocol family")
     p.add_argument("--faults", metavar="KIND=N,...",
                    help="fault budgets replacing the model's defaults, e.g. all=2 or cancel=1,dup=2")
@@ -50,22 +50,13 @@ def add_parser(sub: Any) -> None:
                    help="also run every step on real KV buffers (torch; imported only then)")
     p.add_argument("--device", default="cpu", help="torch device for --backend torch (cpu or cuda)")
     p.add_argument("--dtype", default="float32", help="torch dtype for --backend torch")
-    p.add_argument("--coverage-exhaustive", type=_positive, nargs="?", const=2_000_000, default=None,
+    p.add_argument("--coverage-exhaustive", type=positive_int, nargs="?", const=2_000_000, default=None,
                    metavar="MAX_STATES",
                    help="first count every reachable model state (breadth-first, up to MAX_STATES) "
                    "and report the fraction the fuzzing covered")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 def parse_workers(text: str) -> tuple[int, int]:
