@@ -333,10 +333,13 @@ def handoff_machine(
                 self.events: list[Event] = []
                 self.path_states = [init]  # the state after each step of the episode
                 self.path_events = [0]  # len(events) after each step
+            # a fresh monitor (and backend) replays the history kept so far
             self.monitor = Monitor(header.policy, complete=True, workers=header.workers)
+            self.backend = backend(header) if backend is not None else None
             for line, event in enumerate(self.events, 2):
                 self.monitor.feed(event, line)
-            self.backend = backend(header) if backend is not None else None
+                if self.backend is not None:
+                    self.backend.apply(event, line)
             self.episode_steps = at
             self.episodes_here += 1
             stats.episodes += 1
