@@ -287,31 +287,37 @@ class HistoryReader:
         parsers = FAST_PARSERS
         workers = self.header.workers
         worker_fields = WORKER_FIELDS
-        for raw in self._lines:
-            self.line += 1
-            event = None
-            if fast_loads is not None:
-                try:
-                    obj = fast_loads(raw)
-                except Exception:
-                    obj = None
-                if type(obj) is dict:
-                    ev = obj.get("ev")
-                    parser = parsers.get(ev) if type(ev) is str else None
-                    if parser is not None:
-                        event = parser(obj)
-            if event is None:
-                obj = self._decode(raw)
-                if obj is _BLANK:
-                    continue
-                event = self._parse(self.line, obj)
-            elif workers is not None:
-                for field in worker_fields[type(event)]:
-                    w = getattr(event, field)
-                    if w is not None and w not in workers:
-                        self._check_workers(event, self.line)
-            self.events += 1
-            yield self.line, event
+        line = self.line
+        try:
+            for raw in self._lines:
+                line += 1
+                event = None
+                if fast_loads is not None:
+                    try:
+                        obj = fast_loads(raw)
+                    except Exception:
+                        obj = None
+                    if type(obj) is dict:
+                        ev = obj.get("ev")
+                        parser = parsers.get(ev) if type(ev) is str else None
+                        if parser is not None:
+                            event = parser(obj)
+                if event is None:
+                    self.line = line
+                    obj = self._decode(raw)
+                    if obj is _BLANK:
+                        continue
+                    event = self._parse(line, obj)
+                elif workers is not None:
+                    for field in worker_fields[type(event)]:
+                        w = getattr(event, field)
+                        if w is not None and w not in workers:
+                            self._check_workers(event, line)
+                self.events += 1
+                self.line = line
+                yield line, event
+        finally:
+            self.line = line
 
 
 _BLANK = object()

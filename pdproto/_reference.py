@@ -39,7 +39,7 @@ judges itself: the :class:`~pdproto.Monitor` does.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from ._config import FAULT_KINDS, ModelConfig
 from ._explore import Renaming

@@ -42,7 +42,7 @@ import time
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import attrs
-from hypothesis import HealthCheck, settings, target
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -50,10 +50,11 @@ from ._config import FAULT_KINDS, ModelConfig
 from ._events import Event
 from ._history import write_history
 from ._model import Action
-from ._monitor import END_INVARIANTS, Monitor, Violation
+from ._monitor import Monitor, Violation
 
 __all__ = [
     "HandoffFailure",
+    "pick_failure",
     "FuzzStats",
     "handoff_machine",
     "uniform_machine",
@@ -80,16 +81,35 @@ class HandoffFailure(AssertionError):
     """
 
     def __init__(self, violation: Violation, trace: Sequence[tuple[str, Action, tuple[Event, ...]]],
-                 history: str | None) -> None:
+                 history: str | None, events: Sequence[Event] = (), header: Any = None) -> None:
         self.violation = violation
         self.trace = tuple(trace)
         self.history = history
+        #: the history of the failing run and its header (``complete`` only
+        #: for a failure found at the end of a run that went quiet)
+        self.events = tuple(events)
+        self.header = header
         table = format_steps(self.trace)
         where = f"\nhistory written to {history}" if history else ""
         super().__init__(
             f"{violation.invariant} at step {len(self.trace)} (history line {violation.line}): "
             f"{violation.message}\n{table}{where}"
         )
+
+
+def pick_failure(exc: BaseException) -> HandoffFailure | None:
+    """The failure to report from what a Hypothesis run raised: the
+    HandoffFailure itself, or, when Hypothesis found several distinct bugs
+    (an exception group), the one with the shortest trace.  None when the
+    run raised something else."""
+    if isinstance(exc, HandoffFailure):
+        return exc
+    group = getattr(exc, "exceptions", None)
+    if group:
+        found = [f for f in (pick_failure(e) for e in group) if f is not None]
+        if found:
+            return min(found, key=lambda f: len(f.trace))
+    return None
 
 
 def format_steps(trace: Sequence[tuple[str, Action, tuple[Event, ...]]]) -> str:
@@ -246,7 +266,10 @@ def _weighted_index(data: Any, weights: Sequence[float], label: str) -> int:
 
 _WEIGHTED = [True]
 #: the share of fresh choices left to the example's pseudo-random walk
-WALK_SHARE = 0.5
+WALK_SHARE = 64.0
+#: how many walk decisions are remembered; past it the walk stops looking at
+#: what other runs visited (so that every decision stays replayable)
+DECISION_LIMIT = 2_000_000
 #: how much steering prefers an action leading to a state this example has not seen
 STEER_BOOST = 8.0
 
@@ -300,6 +323,7 @@ def handoff_machine(
     init = next(iter(model.initial_states()))
     states = stats.states
     curve = stats.curve
+    decisions: dict = {}  # (walk seed, state) -> the walk's pick: see _walk_choice
 
     class HandoffMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -376,11 +400,12 @@ def handoff_machine(
             self.path_events.append(len(self.events))
 
         def _fail(self, violation: Violation, complete: bool = False) -> None:
+            # a history cut at a safety violation is not complete: leak and
+            # stuck apply only to one that ran until the system went quiet
+            written = attrs.evolve(header, complete=complete)
             if out_path is not None:
-                # a history cut at a safety violation is not complete: leak and
-                # stuck apply only to one that ran until the system went quiet
-                write_history(out_path, self.events, attrs.evolve(header, complete=complete))
-            failure = HandoffFailure(violation, self.trace, out_path)
+                write_history(out_path, self.events, written)
+            failure = HandoffFailure(violation, self.trace, out_path, self.events, written)
             stats.failure = failure
             if stats.found_at is None:
                 stats.found_at = stats.examples
@@ -475,7 +500,7 @@ def handoff_machine(
                 total = sum(weights)
                 v = _weighted_index(data, [total * WALK_SHARE] + weights, "action")
                 if v == 0:
-                    i = idx[random.Random(self.walk).choices(range(len(idx)), weights=walk_w if sum(walk_w) > 0 else None)[0]]
+                    i = self._walk_choice(idx, walk_w, succ if steer else None)
                 else:
                     i = v - 1
                 # every choice re-seeds the walk: examples that Hypothesis
@@ -483,6 +508,35 @@ def handoff_machine(
                 self.walk = hash((self.walk, v, n))
                 self._take(enabled[i], succ[i])
                 return
+
+        def _walk_choice(self, idx: Sequence[int], w: list[float], succ: list | None) -> int:
+            """The walk's pick among the candidates ``idx``: toward a state no
+            run has visited yet when there is one, else by the weights.
+
+            Using what other runs visited would make a run depend on more than
+            its own choices, and Hypothesis must be able to replay a choice
+            sequence exactly (to shrink a failure).  So each decision is
+            remembered under the walk's seed (which encodes every choice of the
+            run so far) and the state: replaying a choice sequence replays the
+            same decisions, whatever has been visited since.  Once a run
+            failed, new decisions no longer look at novelty (they would lead
+            the shrinker's candidates away from the failure)."""
+            key = (self.walk, canon(self.state))
+            i = decisions.get(key)
+            if i is not None:
+                return i
+            rng = random.Random(self.walk)
+            pool, weights = list(idx), w
+            # after a failure, shrinking is under way: novelty would only lead
+            # new choice sequences away from it
+            if succ is not None and stats.failure is None and len(decisions) < DECISION_LIMIT:
+                new = [(j, wj) for j, wj in zip(idx, w) if canon(succ[j][0]) not in states]
+                if new:
+                    pool, weights = [j for j, _ in new], [wj for _, wj in new]
+            i = pool[rng.choices(range(len(pool)), weights=weights if sum(weights) > 0 else None)[0]]
+            if len(decisions) < DECISION_LIMIT:
+                decisions[key] = i
+            return i
 
         def _backtrack(self) -> bool:
             """Go back one or two steps of the episode (nothing new ahead, or

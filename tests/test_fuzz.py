@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from hypothesis import HealthCheck, seed, settings
@@ -14,7 +13,7 @@ from pdproto._config import ModelConfig
 from pdproto._explore import explore
 from pdproto._loader import list_models, load_model
 from pdproto._reference import HandoffModel
-from pdproto.testing import HandoffFailure, handoff_machine
+from pdproto.testing import handoff_machine, pick_failure
 
 pytest_plugins = ["pytester"]
 
@@ -30,8 +29,11 @@ def fuzz(machine, examples, steps, s=0, database=None):
     test = seed(s)(test)
     try:
         test()
-    except HandoffFailure as exc:
-        return exc
+    except Exception as exc:
+        failure = pick_failure(exc)
+        if failure is None:
+            raise
+        return failure
     return None
 
 

@@ -74,7 +74,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
 
     from .._config import parse_faults
     from .._loader import load_model
-    from ..testing import HandoffFailure, handoff_machine
+    from .._history import write_history
+    from ..testing import HandoffFailure, handoff_machine, pick_failure
 
     workers = parse_workers(args.workers) if args.workers else (None, None)
     faults = parse_faults(args.faults) if args.faults is not None else None
@@ -128,8 +129,14 @@ def run(args: argparse.Namespace, console: Any) -> int:
         with contextlib.redirect_stdout(captured):
             try:
                 test()
-            except HandoffFailure as exc:
-                failure = exc
+            except Exception as exc:
+                failure = pick_failure(exc)
+                if failure is None:
+                    raise
+    if failure is not None and out is not None:
+        # with several distinct bugs Hypothesis replays each; the file must
+        # hold the one reported here
+        write_history(out, failure.events, failure.header)
     seconds = time.perf_counter() - t0
     summary = stats.to_dict()
     summary["seconds"] = round(seconds, 3)
