@@ -101,9 +101,11 @@ def generate(path: str, n_events: int, concurrency: int = 256, blocks_per_reques
     return written
 
 
-def audit_in_child(path: str) -> dict:
+def audit_in_child(path: str, orjson: bool = True) -> dict:
     code = (
         "import json, sys, time\n"
+        + ("" if orjson else "sys.modules['orjson'] = None  # the standard library's json only\n")
+        + 
         "from pdproto._cli._audit import audit\n"
         "t = time.perf_counter()\n"
         f"m, _ = audit({path!r})\n"
@@ -126,6 +128,7 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="a small run for CI (50,000 events)")
+    ap.add_argument("--no-orjson", action="store_true", help="read with the standard library's json only")
     args = ap.parse_args()
     n = 50_000 if args.quick else args.events
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,11 +137,12 @@ def main() -> None:
         written = generate(path, n, args.concurrency)
         gen_s = time.perf_counter() - t
         size_mb = os.path.getsize(path) / 2**20
-        result = audit_in_child(path)
+        result = audit_in_child(path, orjson=not args.no_orjson)
     rate = result["events"] / result["seconds"]
     print(f"history: {written:,} events, {size_mb:.1f} MiB, {args.concurrency} concurrent requests "
           f"(generated in {gen_s:.1f} s)")
-    print(f"audit:   {result['seconds']:.2f} s, {rate:,.0f} events/s, "
+    reader = "json" if args.no_orjson else "orjson if installed"
+    print(f"audit ({reader}): {result['seconds']:.2f} s, {rate:,.0f} events/s, "
           f"peak memory {result['peak_rss_mb']:.0f} MB ({result['note']}), "
           f"{result['violations']} violations")
     if result["violations"]:
