@@ -182,36 +182,7 @@ class Monitor:
     explore histories branching from a common prefix.
     """
 
-    __slots__ = (
-        "policy",
-        "complete",
-        "workers",
-        "skip",
-        "violations",
-        "line",
-        "events",
-        "_out",
-        # verdict state
-        "_max_gen",
-        "_gens",
-        "_owner",
-        "_quarantine",
-        "_reading",
-        "_writing",
-        "_transfers",
-        "_inflight",
-        "_tickets",
-        "_ticket_left",
-        "_open_tickets",
-        "_block_ticket",
-        "_ticket_transfers",
-        "_commits",
-        "_incarnation",
-        "_progress",
-        # witness bookkeeping, not part of key()
-        "_lines",
-    )
-
+    #: the tables of the verdict state, in the order key() lists them
     _VERDICT = (
         "_max_gen",
         "_gens",
@@ -229,6 +200,11 @@ class Monitor:
         "_commits",
         "_incarnation",
         "_progress",
+    )
+    __slots__ = (
+        ("policy", "complete", "workers", "skip", "violations", "line", "events", "_out")
+        + _VERDICT
+        + ("_lines",)  # witness bookkeeping, not part of key()
     )
 
     def __init__(
