@@ -42,7 +42,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from pdproto._explore import explore  # noqa: E402
+from pdproto.drivers._explore import explore  # noqa: E402
 
 import toy_model  # noqa: E402
 
@@ -76,7 +76,7 @@ def _child(spec: dict) -> dict:
     if spec["model"] == "toy":
         model = toy_model.build(tuple(spec["config"]))
     else:
-        from pdproto._loader import load_model
+        from pdproto.drivers._loader import load_model
 
         model, _ = load_model(None, **spec.get("config", {}))
     gc.collect()
@@ -144,7 +144,7 @@ def main() -> int:
 
     ref_path = os.path.join(ROOT, "pdproto", "_reference.py")
     if os.path.exists(ref_path):
-        from pdproto._loader import load_model
+        from pdproto.drivers._loader import load_model
 
         ref, info = load_model(None)
         limit = args.reference_states or (20_000 if args.quick else None)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hypothesis import HealthCheck, seed, settings  # noqa: E402
 from hypothesis.stateful import get_state_machine_test  # noqa: E402
 
-from pdproto._loader import load_model  # noqa: E402
+from pdproto.drivers._loader import load_model  # noqa: E402
 from pdproto.testing import handoff_machine, reachable_states, uniform_machine  # noqa: E402
 
 

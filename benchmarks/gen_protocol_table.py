@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pdproto._reference import transition_table_markdown  # noqa: E402
+from pdproto.protocol._reference import transition_table_markdown  # noqa: E402
 
 if __name__ == "__main__":
     for mode in ("push", "pull"):

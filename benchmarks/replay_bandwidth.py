@@ -46,7 +46,7 @@ from pdproto import (  # noqa: E402
     TransferWriteDone,
     WorkerSpec,
 )
-from pdproto._torch_backend import TorchBackend  # noqa: E402
+from pdproto.backends._torch import TorchBackend  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -11,8 +11,8 @@ that of the empty history.  The counters are interchangeable, so
 
 from __future__ import annotations
 
-from pdproto._history import HistoryHeader
-from pdproto._model import Action
+from pdproto.spec._history import HistoryHeader
+from pdproto.protocol._model import Action
 
 EXPECTED = None
 

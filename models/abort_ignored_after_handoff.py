@@ -5,8 +5,8 @@ the request no longer reaches the decode side's block manager, so the
 request's KV blocks are never freed.  Caught at a quiet state as ``leak``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "leak"
 DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"cancel": 1})

@@ -6,8 +6,8 @@ prefill side, which keeps the request's KV blocks forever.  Caught at a quiet
 state as ``leak``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "leak"
 DEFAULT_CONFIG = ModelConfig(mode="pull", requests=2, blocks=1, faults={"cancel": 1})

@@ -7,8 +7,8 @@ generation when the data plane fails the transfer.  Caught as
 ``commit-before-ready``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "commit-before-ready"
 DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"transfer_fail": 1})

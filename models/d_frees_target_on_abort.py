@@ -8,8 +8,8 @@ transfer and frees the target only once the data plane says it ended.
 Caught as ``early-target-reuse``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "early-target-reuse"
 DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"cancel": 1})

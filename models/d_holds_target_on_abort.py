@@ -6,8 +6,8 @@ request aborted before its transfer started (or whose transfer failed) never
 gets one, so the blocks leak.  Caught at a quiet state as ``leak``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "leak"
 DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"cancel": 1})

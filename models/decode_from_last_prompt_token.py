@@ -6,8 +6,8 @@ feeding the first token sampled by P at position prompt_len.  Caught as
 ``first-token-boundary``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "first-token-boundary"
 DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1)

@@ -6,8 +6,8 @@ request generation a second time.  The reference commits only from the
 awaiting phase.  Caught as ``double-commit``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "double-commit"
 DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"dup": 1})

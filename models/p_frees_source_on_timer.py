@@ -7,8 +7,8 @@ lease expire after D committed (the read is over); this mutant arms the timer
 as soon as the read starts.  Caught as ``early-source-free``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "early-source-free"
 DEFAULT_CONFIG = ModelConfig(mode="pull", requests=1, blocks=1, faults={"timeout": 1})

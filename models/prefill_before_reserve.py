@@ -6,8 +6,8 @@ starts prefill as soon as the request is queued.  Caught as
 ``reserve-before-prefill``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "reserve-before-prefill"
 DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1)

@@ -10,8 +10,8 @@ lost and reordered messages, restarts, timeouts, transfer failures and
 retries.  See docs/protocol.md.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = None
 DEFAULT_CONFIG = ModelConfig.all_faults(1, mode="push", requests=2, blocks=1, block_size=4, prompt_len=3, max_new_tokens=2)

@@ -7,8 +7,8 @@ request.  The reference quarantines such blocks until the transfer ends.
 Caught as ``early-target-reuse``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "early-target-reuse"
 DEFAULT_CONFIG = ModelConfig(mode="push", requests=2, blocks=1, faults={"restart": 1})

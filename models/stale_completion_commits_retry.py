@@ -8,8 +8,8 @@ generation.  Caught as ``ticket-mismatch`` (the commit names the old
 generation's ticket).
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "ticket-mismatch"
 DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"timeout": 1, "retry": 1})

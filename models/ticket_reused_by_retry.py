@@ -6,8 +6,8 @@ reservations of two attempts become indistinguishable.  The reference makes
 every ticket and transfer id unique per generation.  Caught as ``id-reuse``.
 """
 
-from pdproto._config import ModelConfig
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = "id-reuse"
 DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"timeout": 1, "retry": 1})

@@ -46,11 +46,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ._config import FAULT_KINDS, ModelConfig
-from ._events import Event
-from ._history import write_history
-from ._model import Action
-from ._monitor import Monitor, Violation
+from .protocol._config import FAULT_KINDS, ModelConfig
+from .spec._events import Event
+from .spec._history import write_history
+from .protocol._model import Action
+from .spec._monitor import Monitor, Violation
 
 __all__ = [
     "HandoffFailure",
@@ -233,7 +233,7 @@ def reachable_states(model: Any, max_states: int = 2_000_000) -> int | None:
     ``max_states``.  This is what :attr:`FuzzStats.coverage` divides by:
     the explorer's own ``states`` count pairs each model state with a
     monitor state, which fuzzing does not count."""
-    from ._explore import explore
+    from .drivers._explore import explore
 
     result = explore(model, monitor=False, check_deadlock=False, max_states=max_states,
                      stop_on_first=False)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pdproto import (Cancel, Commit, Decode, Finish, Free, HistoryHeader, PrefillDone,
                      PrefillStart, Reserve, Submit, TransferReadDone, TransferStart,
                      TransferWriteDone, WorkerSpec)
-from pdproto._explore import Renaming
-from pdproto._model import Action
+from pdproto import Renaming
+from pdproto.protocol._model import Action
 
 EXPECTED = None
 DEFAULT_CONFIG = None

@@ -90,7 +90,7 @@ def test_device_needs_backend(capsys):
 
 def test_missing_torch_is_one_clear_message(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
-    monkeypatch.delitem(sys.modules, "pdproto._torch_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "pdproto.backends._torch", raising=False)
     rc, out, err = _cli(["check", "--backend", "torch"], capsys)
     assert rc == 2
     assert "pip install 'pdproto[torch]'" in err
@@ -100,9 +100,9 @@ def test_missing_torch_is_one_clear_message(capsys, monkeypatch):
 def test_fast_copy_matches_deepcopy(torch):
     """TorchBackend.copy() (used per explored state) behaves like deepcopy:
     branch at every prefix of a corrupting history and finish both."""
-    from pdproto._explore import explore
-    from pdproto._loader import load_model
-    from pdproto._torch_backend import TorchBackend
+    from pdproto.drivers._explore import explore
+    from pdproto.drivers._loader import load_model
+    from pdproto.backends._torch import TorchBackend
 
     model, _ = load_model("restart_without_fencing")
     r = explore(model)

@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, seed, settings
 from hypothesis.stateful import get_state_machine_test
 
 from pdproto._cli import main
-from pdproto._config import ModelConfig
-from pdproto._explore import explore
-from pdproto._loader import list_models, load_model
-from pdproto._reference import HandoffModel
+from pdproto.protocol._config import ModelConfig
+from pdproto.drivers._explore import explore
+from pdproto.drivers._loader import list_models, load_model
+from pdproto.protocol._reference import HandoffModel
 from pdproto.testing import handoff_machine, pick_failure
 
 pytest_plugins = ["pytester"]

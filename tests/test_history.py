@@ -209,7 +209,7 @@ def test_reader_never_crashes_on_arbitrary_json(objs):
 @given(_eventish | events().map(lambda e: e.to_dict()))
 @settings(max_examples=300, deadline=None)
 def test_fast_parser_agrees_with_the_strict_one(obj):
-    from pdproto._events import parse_event
+    from pdproto.spec._events import parse_event
 
     try:
         slow = event_from_dict(obj)
@@ -225,7 +225,7 @@ def test_fast_parser_agrees_with_the_strict_one(obj):
 @given(st.lists(_eventish | _json | events().map(lambda e: e.to_dict()), max_size=4), st.booleans())
 @settings(max_examples=200, deadline=None)
 def test_reading_with_or_without_orjson_agrees(objs, as_bytes):
-    from pdproto import _history
+    from pdproto.spec import _history
 
     text = "\n".join(json.dumps(o) for o in objs) + "\n"
     data = text.encode() if as_bytes else text

@@ -18,7 +18,7 @@ MODELS = sorted(
 
 
 def _module(name):
-    from pdproto._loader import load_model
+    from pdproto.drivers._loader import load_model
 
     try:
         _, info = load_model(name)

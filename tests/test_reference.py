@@ -13,10 +13,10 @@ import attrs
 import pytest
 
 import models
-from pdproto._config import FAULT_KINDS, ModelConfig
-from pdproto._model import Action, ActionNotEnabled
-from pdproto._monitor import Monitor
-from pdproto._reference import Handoff, HandoffModel, HState, transition_table, transition_table_markdown
+from pdproto.protocol._config import FAULT_KINDS, ModelConfig
+from pdproto.protocol._model import Action, ActionNotEnabled
+from pdproto.spec._monitor import Monitor
+from pdproto.protocol._reference import Handoff, HandoffModel, HState, transition_table, transition_table_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MUTANTS = sorted(
@@ -30,7 +30,7 @@ def monitor_for(model: HandoffModel) -> Monitor:
 
 def bfs(model, max_states=2_000_000):
     """Breadth-first search over (model state, monitor key), independent of
-    pdproto._explore (no symmetry, no interning, no memo).  Returns (states,
+    pdproto.drivers._explore (no symmetry, no interning, no memo).  Returns (states,
     first finding) where a finding is (invariant, path, kind).
 
     The first finding is a shortest one: a violation is a property of the
@@ -167,7 +167,7 @@ def test_reference_two_requests_some_faults(mode):
 def test_reference_default_config_pull_explored():
     """The reference's default configuration in pull mode, explored in full
     (push is checked by tests/test_models.py through ``pdproto check``)."""
-    from pdproto._explore import explore
+    from pdproto.drivers._explore import explore
 
     ref = importlib.import_module("models.reference")
     r = explore(ref.build(attrs.evolve(ref.DEFAULT_CONFIG, mode="pull")))
@@ -179,7 +179,7 @@ def test_reference_default_config_pull_explored():
 
 
 def test_sometimes_reachable_small(mode):
-    from pdproto._explore import explore
+    from pdproto.drivers._explore import explore
 
     m = HandoffModel(ModelConfig(mode=mode, requests=2, blocks=1, faults={k: 1 for k in FAULT_KINDS if k not in ("restart", "retry")}))
     r = explore(m)
@@ -220,7 +220,7 @@ def test_mutant_caught_by_intended_invariant(name):
 def test_mutant_counterexample_is_shortest(name, symmetry):
     """The explorer's counterexample has exactly the shortest length this
     file's own BFS finds, and the intended invariant."""
-    from pdproto._explore import explore
+    from pdproto.drivers._explore import explore
 
     mod = importlib.import_module(f"models.{name}")
     _, found = bfs(mod.build(mod.DEFAULT_CONFIG))
@@ -308,7 +308,7 @@ def _orbit(model, s, mkey):
     pool: written here independently of HandoffModel.symmetry."""
     from itertools import permutations, product
 
-    from pdproto._explore import rename_monitor_key
+    from pdproto.drivers._explore import rename_monitor_key
 
     reqs, xfers, msgs, inc, budget = s
     n = sum(1 for q in reqs if q.gen >= 0)
@@ -367,11 +367,11 @@ def _live(mkey):
 def test_symmetry_reduction_is_sound(mode, cfg):
     """Symmetry reduction loses no reachable behaviour: a breadth-first search
     keyed by the canonical form (the model state from ``symmetry``, the
-    monitor key renamed with the same Renaming, as pdproto._explore does)
+    monitor key renamed with the same Renaming, as pdproto.drivers._explore does)
     reaches a representative of every orbit of the reachable product states
     (orbits computed by brute force over every renaming), keeps one key per
     state it stores, and stores as many states as the explorer."""
-    from pdproto._explore import Renaming, explore, rename_monitor_key
+    from pdproto.drivers._explore import Renaming, explore, rename_monitor_key
 
     model = HandoffModel(ModelConfig(mode=mode, **cfg))
 

@@ -38,7 +38,7 @@ from pdproto import (  # noqa: E402
     write_history,
 )
 from pdproto._cli import main  # noqa: E402
-from pdproto._torch_backend import KVCorruption, TorchBackend, rank_heads  # noqa: E402
+from pdproto.backends._torch import KVCorruption, TorchBackend, rank_heads  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -470,7 +470,7 @@ def test_replay_bad_input(tmp_path, capsys):
 
 def test_replay_without_torch(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)
-    monkeypatch.delitem(sys.modules, "pdproto._torch_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "pdproto.backends._torch", raising=False)
     code = main(["replay", os.path.join(EXAMPLES, "clean-push.jsonl")])
     assert code == 2
     assert "pip install 'pdproto[torch]'" in capsys.readouterr().err

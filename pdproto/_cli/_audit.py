@@ -7,8 +7,8 @@ import gc
 import json
 from typing import Any
 
-from .._history import POLICIES, open_history
-from .._monitor import INVARIANTS, Monitor, Violation, check_invariant_ids
+from ..spec._history import POLICIES, open_history
+from ..spec._monitor import INVARIANTS, Monitor, Violation, check_invariant_ids
 from .._errors import UsageError
 from . import EXIT_OK, EXIT_VIOLATION
 

@@ -68,9 +68,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from .._config import parse_faults
-    from .._explore import explore
-    from .._loader import list_models, load_model
+    from ..protocol._config import parse_faults
+    from ..drivers._explore import explore
+    from ..drivers._loader import list_models, load_model
 
     if args.list:
         return _list(args, console, list_models())
@@ -162,7 +162,7 @@ def _backend_options(args: argparse.Namespace) -> dict[str, Any] | None:
 def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
     """A factory of torch backends for ``model``'s header; imports torch (a
     clear error, exit 2, when it is missing)."""
-    from .._history import HistoryHeader
+    from ..spec._history import HistoryHeader
     from ._replay import _load_backend
 
     tb = _load_backend()
@@ -343,8 +343,8 @@ def _config_text(config: Any) -> str:
 
 
 def _write_trace(path: str, result: Any, cx: Any) -> str:
-    from .._explore import trace_header
-    from .._history import write_history
+    from ..drivers._explore import trace_header
+    from ..spec._history import write_history
 
     try:
         write_history(path, cx.events, trace_header(result.header, cx))

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .._cost import (
+from ..cost._model import (
     DTYPES,
     PRESETS,
     CostModel,
@@ -365,7 +365,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     """Run ``pdproto cost``; 0 on success (bad values raise UsageError -> exit 2)."""
     label, report = _build(args)
     if args.plot is not None:
-        from .._plot import write_plot
+        from ..cost._plot import write_plot
 
         try:
             write_plot(report, args.plot)

@@ -72,9 +72,9 @@ def run(args: argparse.Namespace, console: Any) -> int:
     from hypothesis.database import DirectoryBasedExampleDatabase
     from hypothesis.stateful import get_state_machine_test
 
-    from .._config import parse_faults
-    from .._loader import load_model
-    from .._history import write_history
+    from ..protocol._config import parse_faults
+    from ..drivers._loader import load_model
+    from ..spec._history import write_history
     from ..testing import HandoffFailure, handoff_machine, pick_failure
 
     workers = parse_workers(args.workers) if args.workers else (None, None)
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if args.backend == "torch":
         if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
             raise UsageError("--device", args.device, "cpu or cuda")
-        from .._torch_backend import TorchBackend
+        from ..backends._torch import TorchBackend
 
         device, dtype = args.device, args.dtype
 

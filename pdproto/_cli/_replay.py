@@ -9,8 +9,8 @@ import json
 from typing import Any
 
 from .._errors import PdprotoError, UsageError
-from .._history import POLICIES, open_history
-from .._monitor import INVARIANTS, Monitor, Violation, check_invariant_ids
+from ..spec._history import POLICIES, open_history
+from ..spec._monitor import INVARIANTS, Monitor, Violation, check_invariant_ids
 from . import EXIT_OK, EXIT_VIOLATION
 
 BACKENDS = ("torch",)

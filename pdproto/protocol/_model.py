@@ -16,12 +16,12 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol, Sequenc
 
 import attrs
 
-from ._events import Event
-from ._history import HistoryHeader
+from ..spec._events import Event
+from ..spec._history import HistoryHeader
 
-__all__ = ["Action", "Model", "ActionNotEnabled"]
+__all__ = ["Action", "Model", "ActionNotEnabled", "Renaming"]
 
-from ._errors import PdprotoError
+from .._errors import PdprotoError
 
 
 @attrs.frozen
@@ -79,3 +79,17 @@ class Model(Protocol):
 
 StatePredicate = Callable[[Any], bool]
 Predicates = Mapping[str, StatePredicate]
+
+
+@attrs.frozen
+class Renaming:
+    """A renaming of a model's ids.  ``names`` maps strings (request ids,
+    worker names, ticket ids, transfer ids); ``blocks`` maps ``(worker,
+    block)`` (original names) to the new block id on the renamed worker.
+    Ids not mentioned keep their name."""
+
+    names: Mapping[str, str] = attrs.field(factory=dict)
+    blocks: Mapping[tuple[str, int], int] = attrs.field(factory=dict)
+
+    def key(self) -> tuple:
+        return (tuple(sorted(self.names.items())), tuple(sorted(self.blocks.items())))

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import attrs
 
-from ._errors import UsageError
+from .._errors import UsageError
 from ._events import (
     Alloc,
     Cancel,

@@ -8,8 +8,8 @@ from typing import Mapping
 
 import attrs
 
-from ._errors import UsageError
-from ._history import POLICIES
+from .._errors import UsageError
+from ..spec._history import POLICIES
 
 __all__ = ["FAULT_KINDS", "ModelConfig", "parse_faults"]
 

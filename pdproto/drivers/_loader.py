@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from ._errors import UsageError
+from .._errors import UsageError
 
 __all__ = ["load_model", "list_models", "ModelInfo"]
 
@@ -212,7 +212,7 @@ def load_model(
         if module is not None and hasattr(module, "DEFAULT_CONFIG"):
             config = module.DEFAULT_CONFIG
         else:
-            from ._config import ModelConfig
+            from ..protocol._config import ModelConfig
 
             config = ModelConfig()
         if overrides or faults is not None:

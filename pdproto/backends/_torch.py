@@ -52,8 +52,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import attrs
 import torch
 
-from ._errors import UsageError
-from ._events import (
+from .._errors import UsageError
+from ..spec._events import (
     Alloc,
     Cancel,
     Commit,
@@ -73,8 +73,8 @@ from ._events import (
     TransferStart,
     TransferWriteDone,
 )
-from ._history import HistoryHeader
-from ._monitor import Violation
+from ..spec._history import HistoryHeader
+from ..spec._monitor import Violation
 
 __all__ = [
     "KV_CORRUPTION",

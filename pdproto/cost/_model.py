@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from ._errors import UsageError
+from .._errors import UsageError
 
 __all__ = [
     "DTYPES",

@@ -15,7 +15,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping
 
 import attrs
 
-from ._errors import HistoryFormatError
+from .._errors import HistoryFormatError
 from ._events import _FAST as FAST_PARSERS
 from ._events import WORKER_FIELDS, Event, parse_event
 

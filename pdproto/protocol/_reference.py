@@ -42,8 +42,7 @@ import inspect
 from typing import Any, Callable, NamedTuple
 
 from ._config import FAULT_KINDS, ModelConfig
-from ._explore import Renaming
-from ._events import (
+from ..spec._events import (
     Cancel,
     Commit,
     Decode,
@@ -62,8 +61,8 @@ from ._events import (
     TransferStart,
     TransferWriteDone,
 )
-from ._history import HistoryHeader, WorkerSpec
-from ._model import Action, ActionNotEnabled
+from ..spec._history import HistoryHeader, WorkerSpec
+from ._model import Action, ActionNotEnabled, Renaming
 
 __all__ = [
     "HandoffModel",

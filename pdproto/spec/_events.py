@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import attrs
 
-from ._errors import HistoryFormatError
+from .._errors import HistoryFormatError
 
 __all__ = [
     "Event",

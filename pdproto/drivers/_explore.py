@@ -41,10 +41,11 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import attrs
 
-from ._errors import UsageError
-from ._events import Event
-from ._history import HistoryHeader
-from ._monitor import Monitor, Violation
+from .._errors import UsageError
+from ..spec._events import Event
+from ..spec._history import HistoryHeader
+from ..protocol._model import Renaming
+from ..spec._monitor import Monitor, Violation
 
 __all__ = [
     "Step",
@@ -201,20 +202,6 @@ class ExploreResult:
 
 # ---------------------------------------------------------------------------
 # symmetry: renaming the monitor's verdict state
-
-
-@attrs.frozen
-class Renaming:
-    """A renaming of a model's ids.  ``names`` maps strings (request ids,
-    worker names, ticket ids, transfer ids); ``blocks`` maps ``(worker,
-    block)`` (original names) to the new block id on the renamed worker.
-    Ids not mentioned keep their name."""
-
-    names: Mapping[str, str] = attrs.field(factory=dict)
-    blocks: Mapping[tuple[str, int], int] = attrs.field(factory=dict)
-
-    def key(self) -> tuple:
-        return (tuple(sorted(self.names.items())), tuple(sorted(self.blocks.items())))
 
 
 def _renamers(names: Mapping[str, str], blocks: Mapping[tuple[str, int], int]) -> dict[str, Callable]:

@@ -1,0 +1,22 @@
+"""Backends execute a history on real memory and verify the data decode reads.
+
+The torch backend needs the ``torch`` extra (``pip install 'pdproto[torch]'``);
+its names are loaded on first use, so importing this package imports no torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["KV_CORRUPTION", "KVCorruption", "TorchBackend"]
+
+_LAZY = {name: "._torch" for name in ("KV_CORRUPTION", "KVCorruption", "TorchBackend", "KVLayout", "rank_heads", "parse_tp")}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pdproto.backends' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

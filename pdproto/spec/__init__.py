@@ -1,0 +1,77 @@
+"""The specification: history events, the history file format, and the monitor
+that judges a history against the named invariants.  Imports nothing else of
+pdproto but its errors."""
+
+from ._events import Event as Event
+from ._events import Submit as Submit
+from ._events import Reserve as Reserve
+from ._events import PrefillStart as PrefillStart
+from ._events import PrefillDone as PrefillDone
+from ._events import Alloc as Alloc
+from ._events import TransferStart as TransferStart
+from ._events import TransferReadDone as TransferReadDone
+from ._events import TransferWriteDone as TransferWriteDone
+from ._events import TransferFailed as TransferFailed
+from ._events import TransferAbort as TransferAbort
+from ._events import Commit as Commit
+from ._events import Decode as Decode
+from ._events import Finish as Finish
+from ._events import Cancel as Cancel
+from ._events import Fail as Fail
+from ._events import Free as Free
+from ._events import Restart as Restart
+from ._events import EVENT_TYPES as EVENT_TYPES
+from ._events import event_from_dict as event_from_dict
+from ._history import FORMAT_VERSION as FORMAT_VERSION
+from ._history import POLICIES as POLICIES
+from ._history import ROLES as ROLES
+from ._history import WorkerSpec as WorkerSpec
+from ._history import HistoryHeader as HistoryHeader
+from ._history import HistoryReader as HistoryReader
+from ._history import HistoryWriter as HistoryWriter
+from ._history import open_history as open_history
+from ._history import read_events as read_events
+from ._history import write_history as write_history
+from ._monitor import INVARIANTS as INVARIANTS
+from ._monitor import END_INVARIANTS as END_INVARIANTS
+from ._monitor import Violation as Violation
+from ._monitor import Monitor as Monitor
+from ._monitor import check_invariant_ids as check_invariant_ids
+
+__all__ = [
+    "Event",
+    "Submit",
+    "Reserve",
+    "PrefillStart",
+    "PrefillDone",
+    "Alloc",
+    "TransferStart",
+    "TransferReadDone",
+    "TransferWriteDone",
+    "TransferFailed",
+    "TransferAbort",
+    "Commit",
+    "Decode",
+    "Finish",
+    "Cancel",
+    "Fail",
+    "Free",
+    "Restart",
+    "EVENT_TYPES",
+    "event_from_dict",
+    "FORMAT_VERSION",
+    "POLICIES",
+    "ROLES",
+    "WorkerSpec",
+    "HistoryHeader",
+    "HistoryReader",
+    "HistoryWriter",
+    "open_history",
+    "read_events",
+    "write_history",
+    "INVARIANTS",
+    "END_INVARIANTS",
+    "Violation",
+    "Monitor",
+    "check_invariant_ids",
+]
