@@ -26,7 +26,7 @@ from .._errors import UsageError
 __all__ = ["load_model", "list_models", "ModelInfo"]
 
 _DEFAULT = "reference"
-_REPO_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+_REPO_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
 
 
 @attrs.frozen
