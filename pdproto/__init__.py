@@ -68,7 +68,7 @@ from .spec import open_history as open_history
 from .spec import read_events as read_events
 from .spec import write_history as write_history
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     # errors

@@ -35,7 +35,7 @@ def positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from .._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="pdproto",

@@ -1,0 +1,3 @@
+"""The version of pdproto (one place; the package and the CLI read it)."""
+
+__version__ = "0.1.0"
