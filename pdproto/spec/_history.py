@@ -1,13 +1,17 @@
 """Reading and writing histories: JSON Lines, format version 1.
 
-The reader streams: it holds one line at a time, so memory stays constant in
-the length of the file.  Every problem is a :class:`HistoryFormatError`
-naming the file, the 1-based line (blank lines and the header count), the
-field and the offending value.
+The reader streams: it reads the file in chunks and holds at most one chunk
+and one line, so memory stays constant in the length of the file.  A line
+longer than ``max_line_bytes`` (:data:`MAX_LINE_BYTES` unless raised) is an
+error, as is an integer of more than 4300 digits (Python's limit), a key given
+twice with different values in one object, and a file that cannot be read.
+Every problem is a :class:`HistoryFormatError` naming the file, the 1-based
+line (blank lines and the header count), the field and the offending value.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -26,6 +30,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_LINE_BYTES",
     "POLICIES",
     "ROLES",
     "WorkerSpec",
@@ -38,6 +43,11 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+#: The longest line the reader accepts by default, in bytes (``pdproto audit
+#: --max-line-bytes`` raises it).  An event line is well under a kilobyte.
+MAX_LINE_BYTES = 4 << 20
+#: Bytes read from a file at a time.
+_CHUNK = 1 << 20
 POLICIES = ("push", "pull")
 ROLES = ("prefill", "decode")
 
@@ -178,10 +188,17 @@ class HistoryReader:
     """
 
     def __init__(
-        self, stream: IO[str] | IO[bytes] | Iterable[str] | Iterable[bytes], name: str = "<history>"
+        self,
+        stream: IO[str] | IO[bytes] | Iterable[str] | Iterable[bytes],
+        name: str = "<history>",
+        *,
+        max_line_bytes: int = MAX_LINE_BYTES,
     ) -> None:
+        if type(max_line_bytes) is not int or max_line_bytes < 1:
+            raise ValueError(f"max_line_bytes must be an integer >= 1, got {max_line_bytes!r}")
         self.name = name
-        self._lines = iter(stream)
+        self.max_line_bytes = max_line_bytes
+        self._lines = itertools.chain.from_iterable(_chunks(stream, max_line_bytes))
         self.line = 0  # number of the last line read
         self.events = 0
         self._pending: tuple[int, Event] | None = None
@@ -205,7 +222,12 @@ class HistoryReader:
         if not text:
             return _BLANK
         try:
-            return json.loads(text)
+            obj = json.loads(text)
+            if type(obj) is dict and text.count(":") != len(obj):
+                # maybe a key given twice (the count is exact without nested
+                # objects and colons in strings); the exact check is slower
+                obj = json.loads(text, object_pairs_hook=_no_conflicts)
+            return obj
         except json.JSONDecodeError as exc:
             raise HistoryFormatError(
                 f"not valid JSON ({exc.msg} at column {exc.colno}): {text[:80]!r}",
@@ -213,18 +235,53 @@ class HistoryReader:
                 line=self.line,
                 value=text[:200],
             ) from None
+        except _Conflict as exc:
+            key, first, second = exc.args
+            raise HistoryFormatError(
+                f"key {key!r} given twice with different values, {first!r:.40} and {second!r:.40}: "
+                "the line is ambiguous",
+                source=self.name,
+                line=self.line,
+                field=key,
+                value=second,
+            ) from None
         except RecursionError:
             raise HistoryFormatError(
                 "JSON nested too deeply", source=self.name, line=self.line
             ) from None
+        except ValueError as exc:  # an integer over Python's int-string limit
+            if "digits" not in str(exc):
+                raise
+            raise HistoryFormatError(
+                f"an integer with more than {sys.get_int_max_str_digits() or 'the allowed'} digits: "
+                f"{text[:60]!r}...",
+                source=self.name,
+                line=self.line,
+            ) from None
 
     def _next_object(self) -> tuple[int, object] | None:
-        for raw in self._lines:
-            self.line += 1
-            obj = self._decode(raw)
-            if obj is not _BLANK:
-                return self.line, obj
+        try:
+            for raw in self._lines:
+                self.line += 1
+                obj = self._decode(raw)
+                if obj is not _BLANK:
+                    return self.line, obj
+        except (_TooLong, OSError) as exc:
+            raise self._read_error(exc, self.line + 1) from None
         return None
+
+    def _read_error(self, exc: BaseException, line: int) -> HistoryFormatError:
+        """The format error for a line over the cap or a failed read."""
+        if isinstance(exc, _TooLong):
+            return HistoryFormatError(
+                f"line longer than {self.max_line_bytes:,} bytes (the limit; raise it with "
+                "--max-line-bytes)",
+                source=self.name,
+                line=line,
+                value=exc.args[0],
+            )
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        return HistoryFormatError(f"cannot read: {reason}", source=self.name, line=line)
 
     def _read_first(self) -> None:
         first = self._next_object()
@@ -297,7 +354,9 @@ class HistoryReader:
                         obj = fast_loads(raw)
                     except Exception:
                         obj = None
-                    if type(obj) is dict:
+                    # a colon per key: else perhaps a key given twice, which
+                    # the careful path checks exactly
+                    if type(obj) is dict and raw.count(b":") == len(obj):
                         ev = obj.get("ev")
                         parser = parsers.get(ev) if type(ev) is str else None
                         if parser is not None:
@@ -316,11 +375,80 @@ class HistoryReader:
                 self.events += 1
                 self.line = line
                 yield line, event
+        except (_TooLong, OSError) as exc:
+            raise self._read_error(exc, line + 1) from None
         finally:
             self.line = line
 
 
 _BLANK = object()
+
+
+class _TooLong(Exception):
+    """A line over the cap (args: its length so far)."""
+
+
+class _Conflict(ValueError):
+    """A key given twice with different values (args: key, first, second)."""
+
+
+def _no_conflicts(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj and (obj[key] != value or type(obj[key]) is not type(value)):
+            raise _Conflict(key, obj[key], value)
+        obj[key] = value
+    return obj
+
+
+def _chunks(stream: Any, limit: int) -> Iterator[list[bytes]]:
+    """The lines of ``stream`` (bytes, without the newline), a chunk at a time.
+
+    A file is read in :data:`_CHUNK` pieces, so no line of any length is ever
+    held beyond ``limit`` bytes: the lines before a longer one are yielded,
+    then :class:`_TooLong` is raised.  Text is encoded to UTF-8.  Any other
+    iterable is taken line by line.
+    """
+    read = getattr(stream, "read1", None) or getattr(stream, "read", None)
+    if read is None:
+        for raw in stream:
+            if type(raw) is str:
+                raw = raw.encode("utf-8", "surrogatepass")
+            if len(raw) > limit and len(raw.rstrip(b"\r\n")) > limit:
+                raise _TooLong(len(raw))
+            yield [raw]
+        return
+    carry: list[bytes] = []
+    carried = 0
+    while True:
+        data = read(_CHUNK)
+        if not data:
+            break
+        if type(data) is str:
+            data = data.encode("utf-8", "surrogatepass")
+        if b"\n" not in data:
+            carry.append(data)
+            carried += len(data)
+            if carried > limit:
+                raise _TooLong(carried)
+            continue
+        parts = data.split(b"\n")
+        if carry:
+            parts[0] = b"".join(carry) + parts[0]
+            carry = []
+        last = parts.pop()
+        if last:
+            carry.append(last)
+        carried = len(last)
+        if max(map(len, parts)) > limit:
+            n = next(i for i, p in enumerate(parts) if len(p) > limit)
+            yield parts[:n]
+            raise _TooLong(len(parts[n]))
+        yield parts
+        if carried > limit:
+            raise _TooLong(carried)
+    if carry:
+        yield [b"".join(carry)]
 
 
 class open_history:
@@ -333,8 +461,9 @@ class open_history:
                 ...
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, max_line_bytes: int = MAX_LINE_BYTES) -> None:
         self.path = os.fspath(path)
+        self.max_line_bytes = max_line_bytes
         self._file: IO[bytes] | None = None
 
     def __enter__(self) -> HistoryReader:
@@ -346,13 +475,14 @@ class open_history:
             name = self.path
             try:
                 stream = open(self.path, "rb")
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+                reason = getattr(exc, "strerror", None) or str(exc)
                 raise HistoryFormatError(
-                    f"cannot open: {exc.strerror}", source=self.path, value=self.path
+                    f"cannot open: {reason}", source=self.path, value=self.path
                 ) from None
             self._file = stream
         try:
-            return HistoryReader(stream, name)
+            return HistoryReader(stream, name, max_line_bytes=self.max_line_bytes)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -363,9 +493,11 @@ class open_history:
             self._file = None
 
 
-def read_events(path: str | os.PathLike[str]) -> Iterator[tuple[int, Event]]:
+def read_events(
+    path: str | os.PathLike[str], *, max_line_bytes: int = MAX_LINE_BYTES
+) -> Iterator[tuple[int, Event]]:
     """Yield ``(line, event)`` from the history at ``path``, streaming."""
-    with open_history(path) as reader:
+    with open_history(path, max_line_bytes=max_line_bytes) as reader:
         yield from reader
 
 
