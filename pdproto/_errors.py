@@ -120,7 +120,10 @@ class ModelLoadError(PdprotoError):
         self.file = file
         self.line = line
         where = f"{file}:{line}: " if file and line else (f"{file}: " if file else "")
-        text = " ".join(str(error).split())
+        text = error.msg if isinstance(error, SyntaxError) and error.msg else str(error)
+        text = " ".join(text.split())
+        if len(text) > 200:
+            text = text[:200] + "..."
         kind = type(error).__name__
         super().__init__(
             f"model {spec!r} failed at {stage}: {where}{kind}" + (f": {text}" if text else "")

@@ -22,6 +22,9 @@ from .._errors import PdprotoError
 from ._args import positive_int as positive_int
 from ._args import print_error
 
+__all__ = ["COMMANDS", "EXIT_OK", "EXIT_VIOLATION", "EXIT_BAD_INPUT", "build_parser", "main", "entry",
+           "positive_int"]
+
 EXIT_OK = 0
 EXIT_VIOLATION = 1
 EXIT_BAD_INPUT = 2

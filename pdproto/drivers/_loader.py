@@ -7,6 +7,12 @@ contract: ``build(config) -> Model`` and ``DEFAULT_CONFIG``, with
 ``EXPECTED`` naming the invariant a mutant is meant to break (``None`` for a
 correct model).  A module without ``build`` may instead define a ``model``
 attribute holding a Model instance.
+
+A model whose ``DEFAULT_CONFIG`` is not a handoff :class:`ModelConfig` (a
+counter, say) takes its sizes from its own configuration: an override that
+names no field of it is refused, saying which flags do not apply.  A model
+that fails while it is imported or built is reported as one
+:class:`ModelLoadError` naming its file, line and exception.
 """
 
 from __future__ import annotations
@@ -16,14 +22,33 @@ import importlib.util
 import os
 import pkgutil
 import sys
+import traceback
 from types import ModuleType
 from typing import Any, Mapping
 
 import attrs
 
-from .._errors import UsageError
+from .._errors import ModelLoadError, UsageError
 
-__all__ = ["load_model", "list_models", "ModelInfo"]
+__all__ = ["load_model", "list_models", "ModelInfo", "MAX_REQUESTS", "MAX_BLOCKS", "MAX_WORKERS"]
+
+#: Sizes the loader accepts for a handoff configuration.  Far larger than any
+#: exhaustive search can finish (see :func:`reach_warning`), but small enough
+#: that building the model itself stays instant.
+MAX_REQUESTS = 64
+MAX_BLOCKS = 4096
+MAX_WORKERS = 64
+
+# keyword of load_model -> the command-line flag that sets it
+_FLAGS = {
+    "mode": "--mode",
+    "policy": "--mode",
+    "requests": "--requests",
+    "blocks": "--blocks",
+    "faults": "--faults",
+    "prefill_workers": "--workers",
+    "decode_workers": "--workers",
+}
 
 _DEFAULT = "reference"
 _REPO_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
@@ -42,6 +67,7 @@ class ModelInfo:
     config: Any = None
     module: ModuleType | None = attrs.field(default=None, eq=False, repr=False)
     doc: str = ""
+    warnings: tuple[str, ...] = ()
 
 
 def _first_line(doc: str | None) -> str:
@@ -101,8 +127,30 @@ def list_models() -> list[tuple[str, str | None, str]]:
     return out
 
 
-def _load_file(path: str) -> ModuleType:
-    if not os.path.isfile(path):
+def _where(exc: BaseException, files: tuple[str, ...] = ()) -> tuple[str | None, int]:
+    """The file and line where a model's own code raised ``exc``: a syntax
+    error's position, else the innermost traceback frame outside pdproto's
+    loader and importlib (preferring ``files``)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return exc.filename, exc.lineno or 0
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f.filename != __file__ and "importlib" not in f.filename and not f.filename.startswith("<frozen")]
+    wanted = [f for f in frames if os.path.abspath(f.filename) in files]
+    pick = (wanted or frames)[-1:]
+    if not pick:
+        return (files[0] if files and files[0].endswith(".py") else None), 0
+    return pick[0].filename, pick[0].lineno or 0
+
+
+def _failed(spec: str, stage: str, exc: BaseException, files: tuple[str, ...] = ()) -> ModelLoadError:
+    file, line = _where(exc, files)
+    error = ModelLoadError(spec, stage, exc, file, line)
+    error.__cause__ = exc
+    return error
+
+
+def _load_file(path: str, given: str) -> ModuleType:
+    if "\0" in path or not os.path.isfile(path):
         raise UsageError("model file", path, "an existing .py file")
     mod_name = "_pdproto_user_model_" + str(abs(hash(os.path.abspath(path))))
     spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -112,6 +160,11 @@ def _load_file(path: str) -> ModuleType:
     sys.modules[mod_name] = mod
     try:
         spec.loader.exec_module(mod)
+    except (Exception, SystemExit) as exc:  # the model's own error: one line, exit 2
+        sys.modules.pop(mod_name, None)
+        if isinstance(exc, ValueError) and "null bytes" in str(exc):  # Python < 3.12
+            raise ModelLoadError(given, "import", exc, path, 0) from exc
+        raise _failed(given, "import", exc, (os.path.abspath(path),)) from exc
     except BaseException:
         sys.modules.pop(mod_name, None)
         raise
@@ -124,7 +177,9 @@ def _import(name: str, spec: str) -> ModuleType:
     except ModuleNotFoundError as exc:
         if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
             raise UsageError("model module", spec, "an importable module") from None
-        raise
+        raise _failed(spec, "import", exc) from exc
+    except (Exception, SystemExit) as exc:
+        raise _failed(spec, "import", exc) from exc
 
 
 def _is_model(obj: Any) -> bool:
@@ -134,24 +189,39 @@ def _is_model(obj: Any) -> bool:
 def load_model(
     spec: str | None = None,
     *,
-    mode: str | None = None,
+    policy: str | None = None,
     requests: int | None = None,
     blocks: int | None = None,
     faults: Mapping[str, int] | None = None,
-    max_states: int | None = None,
     prefill_workers: int | None = None,
     decode_workers: int | None = None,
+    mode: str | None = None,
 ) -> tuple[Any, ModelInfo]:
     """Resolve ``spec`` to a model; return ``(model, info)``.
 
-    ``mode``, ``requests``, ``blocks`` and ``faults`` (budgets replacing the
-    default ones: kinds not named get 0) evolve the module's ``DEFAULT_CONFIG``; they are an error
-    for a bare model instance.  ``max_states`` is accepted for symmetry with
-    the command line and ignored here.
+    ``policy`` (``mode`` is an alias), ``requests``, ``blocks``, the worker
+    counts and ``faults`` (budgets replacing the default ones: kinds not named
+    get 0) evolve the module's ``DEFAULT_CONFIG``; they are an error for a
+    bare model instance, and for a configuration with no such field.
+    ``info.warnings`` says when the configuration is likely out of reach of
+    an exhaustive search.
+
+    Raises:
+        UsageError: an unknown model, a flag that does not apply, a size over
+            :data:`MAX_REQUESTS`, :data:`MAX_BLOCKS` or :data:`MAX_WORKERS`.
+        ModelLoadError: the model's own code raised while it was imported or built.
     """
+    if policy is not None and mode is not None and policy != mode:
+        raise UsageError("policy", (policy, mode), "one value (mode is an alias of policy)")
+    policy = policy if policy is not None else mode
+    for what, value, top in (("--requests", requests, MAX_REQUESTS), ("--blocks", blocks, MAX_BLOCKS),
+                             ("--workers", prefill_workers, MAX_WORKERS),
+                             ("--workers", decode_workers, MAX_WORKERS)):
+        if value is not None and (type(value) is not int or not 1 <= value <= top):
+            raise UsageError(what, value, f"an integer from 1 to {top}")
     overrides: dict[str, Any] = {}
-    if mode is not None:
-        overrides["mode"] = mode
+    if policy is not None:
+        overrides["mode"] = policy
     if requests is not None:
         overrides["requests"] = requests
     if blocks is not None:
@@ -168,7 +238,7 @@ def load_model(
         if not mod_part or not attr:
             raise UsageError("MODEL", spec, "NAME, PATH.py or module:attribute")
         if mod_part.endswith(".py") or os.sep in mod_part:
-            module = _load_file(mod_part)
+            module = _load_file(mod_part, spec)
         else:
             module = _import(mod_part, spec)
         try:
@@ -176,7 +246,7 @@ def load_model(
         except AttributeError:
             raise UsageError("MODEL", spec, f"an attribute of module {mod_part!r}") from None
     elif spec is not None and (spec.endswith(".py") or os.sep in spec):
-        module = _load_file(spec)
+        module = _load_file(spec, spec)
         target = module
     else:
         name = given.replace("-", "_")
@@ -185,7 +255,7 @@ def load_model(
         if pkg is None or name not in names:
             shown = ", ".join(n.replace("_", "-") for n in names) or "(none installed)"
             raise UsageError("model", given, f"a model file, module:attribute, or one of: {shown}")
-        module = importlib.import_module(f"pdproto.models.{name}")
+        module = _import(f"pdproto.models.{name}", given)
         target = module
 
     if isinstance(target, ModuleType):
@@ -215,19 +285,15 @@ def load_model(
             from ..protocol._config import ModelConfig
 
             config = ModelConfig()
-        if overrides or faults is not None:
-            if not attrs.has(type(config)):
-                raise UsageError(
-                    "--mode/--requests/--blocks/--faults", given,
-                    "no configuration flags: this model's DEFAULT_CONFIG is not a ModelConfig",
-                )
-            if faults is not None:
-                overrides["faults"] = dict(faults)  # replaces the budgets: unnamed kinds get 0
-            try:
-                config = attrs.evolve(config, **overrides)
-            except TypeError as exc:
-                raise UsageError("configuration flag", sorted(overrides), f"fields of the model's configuration ({exc})") from None
-        model = target(config)
+        if faults is not None:
+            overrides["faults"] = dict(faults)  # replaces the budgets: unnamed kinds get 0
+        if overrides:
+            config = _configure(config, overrides, given)
+        try:
+            model = target(config)
+        except (Exception, SystemExit) as exc:  # the builder's own error: one line, exit 2
+            files = (os.path.abspath(module.__file__),) if module is not None and getattr(module, "__file__", None) else ()
+            raise _failed(given, "build", exc, files) from exc
         if not _is_model(model):
             raise UsageError("MODEL", given, "a builder returning a model (initial_states, actions, step)")
     else:
@@ -235,4 +301,64 @@ def load_model(
 
     name = getattr(model, "name", None) or given
     doc = _first_line(module.__doc__) if module is not None else ""
-    return model, ModelInfo(given, name, expected, has_expected, config, module, doc)
+    warning = reach_warning(config)
+    return model, ModelInfo(given, name, expected, has_expected, config, module, doc,
+                            (warning,) if warning else ())
+
+
+def _configure(config: Any, overrides: dict[str, Any], given: str) -> Any:
+    """``config`` with ``overrides``; a clear error naming the flags that do
+    not apply when the configuration has no such field."""
+    if attrs.has(type(config)):
+        fields = {a.name for a in attrs.fields(type(config))}
+    elif isinstance(config, dict):
+        fields = set(config)
+    else:
+        fields = set()
+    if "mode" in overrides and "mode" not in fields and "policy" in fields:
+        overrides["policy"] = overrides.pop("mode")
+    missing = [k for k in overrides if k not in fields]
+    if missing:
+        flags = sorted({_FLAGS.get(k, k) for k in missing})
+        kind = type(config).__name__ if config is not None else "no DEFAULT_CONFIG"
+        has = ", ".join(sorted(fields)) or "none"
+        raise UsageError(
+            " ".join(flags), given,
+            f"a model these flags apply to: model {given!r} takes its sizes from its own "
+            f"configuration ({kind}; fields: {has})",
+        )
+    try:
+        if isinstance(config, dict):
+            return {**config, **overrides}
+        return attrs.evolve(config, **overrides)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, UsageError):
+            raise
+        raise UsageError("configuration flag", sorted(overrides), f"fields of the model's configuration ({exc})") from None
+
+
+def reach_warning(config: Any) -> str | None:
+    """A warning when an exhaustive search of a handoff configuration is
+    likely out of reach (over about 10**7 states), or None.
+
+    The estimate is rough, fitted on the reference model with symmetry: one
+    request with every fault kind at budget 1 has about 2,800 states, two
+    about 100,000; without faults a request adds little (2 requests 24
+    states, 4 requests 75).  So about ``10**(1.1 + 0.29 B + (R-1)(0.25 +
+    0.16 B))`` for R requests and a total fault budget B, more with more
+    blocks and workers.
+    """
+    requests = getattr(config, "requests", None)
+    if type(requests) is not int:
+        return None
+    blocks = getattr(config, "blocks", 1)
+    workers = getattr(config, "prefill_workers", 1) + getattr(config, "decode_workers", 1)
+    faults = getattr(config, "faults", {}) or {}
+    budget = sum(v for v in faults.values() if type(v) is int)
+    log10 = (1.1 + 0.29 * budget + (requests - 1) * (0.25 + 0.16 * budget)
+             + 0.2 * max(0, blocks - 1) * (requests - 1) + 0.5 * max(0, workers - 2) * requests)
+    if log10 < 7:
+        return None
+    return (f"this configuration ({requests} requests, {blocks} blocks, {workers} workers, total fault "
+            f"budget {budget}) has very roughly 10**{int(log10)} states: likely out of reach of an "
+            "exhaustive search; use --max-states, --fingerprint, a smaller configuration, or pdproto fuzz")
