@@ -1,5 +1,4 @@
-"""What every command shares: argument types, output checks, the torch
-import, and plain (never wrapped, never markup) output of errors and JSON.
+"""What every command shares: argument types, output checks, and plain (never wrapped, never markup) output of errors and JSON.
 
 Rich is for the human reports only.  A user string printed through rich is
 escaped with :func:`esc` first, so ``[red]r1`` or ``[/oops]`` in a history
@@ -9,15 +8,13 @@ prints as itself instead of being read as markup.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 import traceback
-from types import ModuleType
 from typing import Any, Callable
 
-from .._errors import MissingExtraError, PdprotoError, UsageError, parse_int
+from .._errors import PdprotoError, UsageError, parse_int
 
 __all__ = [
     "int_type",
@@ -25,7 +22,6 @@ __all__ = [
     "size_type",
     "parse_size",
     "check_output_path",
-    "require_torch",
     "esc",
     "one_line",
     "print_error",
@@ -92,18 +88,6 @@ def check_output_path(path: str | None, flag: str) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise UsageError(flag, path, "a file you may write")
     return path
-
-
-def require_torch(feature: str = "the torch backend") -> ModuleType:
-    """``pdproto.backends._torch``, or a :class:`MissingExtraError` naming the
-    extra to install when torch (or numpy, which it needs) is missing."""
-    try:
-        return importlib.import_module("pdproto.backends._torch")
-    except ModuleNotFoundError as exc:
-        top = (exc.name or "").split(".")[0]
-        if top in ("torch", "numpy"):
-            raise MissingExtraError(feature, "PyTorch" if top == "torch" else "numpy", "torch") from None
-        raise
 
 
 def esc(value: object) -> str:

@@ -39,7 +39,15 @@ On CUDA the copies run on a side stream, ordered after the work already
 issued on the current stream (``wait_stream``); each records a
 ``torch.cuda.Event`` and any later work on the current stream that touches
 the same worker (free's poison, prefill, decode, verification) first waits
-for those events (``wait_event``).  Nothing in the copy path synchronises
+for those events (``wait_event``).
+
+Memory.  The pools a replay needs are computed before they are allocated:
+the pools the header declares (and the smallest pool of a worker of each
+role) when the backend is made, and each pool's growth when an event names a
+block past its end.  Over ``max_memory`` bytes (:data:`DEFAULT_MAX_MEMORY`
+unless raised; ``pdproto replay --max-memory``) the backend raises
+:class:`~pdproto._errors.LimitError` instead.  Positions a decode or prefill
+names beyond its block table are reported, never allocated.  Nothing in the copy path synchronises
 the device.  The CPU path executes the same operations at the same points,
 synchronously.
 """
@@ -52,7 +60,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import attrs
 import torch
 
-from .._errors import UsageError
+from .._errors import LimitError, UsageError, parse_int
 from ..spec._events import (
     Alloc,
     Cancel,
@@ -79,7 +87,8 @@ from ..spec._monitor import Violation
 __all__ = [
     "KV_CORRUPTION",
     "KV_CORRUPTION_RULE",
-    "DTYPES",
+    "DEFAULT_MAX_MEMORY",
+    "TORCH_DTYPES",
     "KVCorruption",
     "KVLayout",
     "TorchBackend",
@@ -94,7 +103,12 @@ KV_CORRUPTION_RULE = (
     "another generation's KV, KV of another position, head or input token"
 )
 
-DTYPES: Mapping[str, torch.dtype] = {
+#: The KV pools of one replay may take at most this many bytes unless the
+#: caller (``max_memory=``, ``pdproto replay --max-memory``) allows more.
+DEFAULT_MAX_MEMORY = 4 << 30
+
+#: The torch dtype of each KV dtype name.
+TORCH_DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -139,9 +153,12 @@ def parse_tp(text: str | Sequence[int] | None) -> tuple[int, int]:
         parts = [a, b]
     else:
         bits = text.split(":")
-        if len(bits) != 2 or not all(b.strip().isdigit() for b in bits):
+        if len(bits) != 2:
             raise UsageError("--tp", text, "P:D with two integers >= 1, e.g. 2:1")
-        parts = [int(b) for b in bits]
+        try:
+            parts = [parse_int(b, "--tp", minimum=1) for b in bits]
+        except UsageError:
+            raise UsageError("--tp", text, "P:D with two integers >= 1, e.g. 2:1") from None
     if any(type(p) is not int or p < 1 for p in parts):
         raise UsageError("--tp", text, "P:D with two integers >= 1, e.g. 2:1")
     return (parts[0], parts[1])
@@ -190,7 +207,7 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def block_bytes(self) -> int:
@@ -200,10 +217,15 @@ class KVLayout:
 
 
 def canonical_dtype(name: str) -> str:
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise UsageError("dtype", name, "one of " + ", ".join(DTYPES) + " (or bf16, fp16, fp32)")
+    name = _DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+    if name not in TORCH_DTYPES:
+        raise UsageError("dtype", name, "one of " + ", ".join(TORCH_DTYPES) + " (or bf16, fp16, fp32)")
     return name
+
+
+def _heads_per_rank(tp: int, kv_heads: int) -> int:
+    """KV heads each rank of a ``tp``-sized worker holds (see :func:`rank_heads`)."""
+    return kv_heads // tp if tp <= kv_heads else 1
 
 
 @attrs.frozen
@@ -353,6 +375,7 @@ class TorchBackend:
         block_size: int | None = None,
         head_map: Sequence[int] | None = None,
         min_blocks: int = 8,
+        max_memory: int | None = DEFAULT_MAX_MEMORY,
     ) -> None:
         header = header if header is not None else HistoryHeader()
         if block_size is None:
@@ -360,16 +383,21 @@ class TorchBackend:
             block_size = hb if type(hb) is int and hb >= 1 else 4
         self.layout = KVLayout(layers, kv_heads, head_dim, block_size, canonical_dtype(dtype))
         self.header = header
+        self.tp = parse_tp(tp) if isinstance(tp, str) else parse_tp(tuple(tp))
+        if max_memory is not None and (type(max_memory) is not int or max_memory < 1):
+            raise UsageError("max_memory", max_memory, "a number of bytes >= 1, or None for no limit")
+        self.max_memory = max_memory
+        self.min_blocks = min_blocks
+        self.memory = self._fixed_bytes()  # bytes allocated: the pools and the value table
+        self._check_sizes(header)
         self.device = _device(device)
         self.cuda = self.device.type == "cuda"
-        self.tp = parse_tp(tp) if isinstance(tp, str) else parse_tp(tuple(tp))
         self._heads = {"prefill": rank_heads(self.tp[0], kv_heads), "decode": rank_heads(self.tp[1], kv_heads)}
         if head_map is not None:
             head_map = list(head_map)
             if len(head_map) != kv_heads or any(type(h) is not int or not 0 <= h < kv_heads for h in head_map):
                 raise UsageError("head_map", head_map, f"{kv_heads} head indices in [0, {kv_heads})")
         self.head_map = head_map
-        self.min_blocks = min_blocks
         self.violations: list[Violation] = []
         self.events = 0
         self.line = 0
@@ -517,6 +545,60 @@ class TorchBackend:
         code = _PROMPT if token is None else (token + 1) & _M32
         return self._values(g.tag, position, [code], list(range(self.layout.kv_heads)))[:, :, :, 0]
 
+    # -- memory --------------------------------------------------------------
+
+    def block_bytes(self, role: str) -> int:
+        """Bytes of one block over every rank of a worker of ``role``."""
+        L = self.layout
+        tp = self.tp[0] if role == "prefill" else self.tp[1]
+        elem = torch.empty((), dtype=L.torch_dtype).element_size()
+        return tp * _heads_per_rank(tp, L.kv_heads) * L.layers * 2 * L.block_size * L.head_dim * elem
+
+    def _fixed_bytes(self) -> int:
+        """Bytes the backend holds besides the pools (the hash table of values)."""
+        L = self.layout
+        return L.layers * 2 * L.kv_heads * (L.head_dim - _CODE_DIMS) * 8
+
+    def _check_sizes(self, header: HistoryHeader) -> None:
+        """Before allocating anything: the pools the header declares, and at
+        least one pool of each role, must fit in ``max_memory``."""
+        if self.max_memory is None:
+            return
+        need = self._fixed_bytes()
+        roles = set()
+        for spec in (header.workers or {}).values():
+            need += max(spec.blocks, self.min_blocks) * self.block_bytes(spec.role)
+            roles.add(spec.role)
+        for role in ("prefill", "decode"):
+            if role not in roles:
+                need += self.min_blocks * self.block_bytes(role)
+        if need > self.max_memory:
+            L = self.layout
+            raise LimitError(
+                f"replay with {L.layers} layers x {L.kv_heads} KV heads x head dim {L.head_dim}, "
+                f"block size {L.block_size}, {L.dtype}, tp {self.tp[0]}:{self.tp[1]}, "
+                + ("the header's pools " + ", ".join(
+                    f"{n} {_amount(s.blocks)} blocks" for n, s in list((header.workers or {}).items())[:4])
+                   + (" ..." if len(header.workers or {}) > 4 else "") if header.workers else "a pool per role"),
+                need, self.max_memory, "--max-memory (max_memory=)",
+            )
+
+    def _reserve(self, w: _Worker, nblocks: int, top: int) -> int:
+        """The block count to grow ``w`` to (at least ``nblocks``, ideally
+        ``top``), within ``max_memory``; LimitError when even ``nblocks`` is over."""
+        if self.max_memory is None:
+            return top
+        per = self.block_bytes(w.role)
+        base = self.memory - w.nblocks * per
+        if base + top * per <= self.max_memory:
+            return top
+        if base + nblocks * per <= self.max_memory:
+            return nblocks
+        raise LimitError(
+            f"the pool of worker {w.name!r}, {_amount(nblocks)} blocks for block id {_amount(nblocks - 1)},",
+            base + nblocks * per, self.max_memory, "--max-memory (max_memory=)", line=self.line,
+        )
+
     # -- workers and pools ---------------------------------------------------
 
     def _worker(self, name: str, role: str | None = None, need: Iterable[int] = ()) -> _Worker | None:
@@ -530,14 +612,15 @@ class TorchBackend:
             heads = self._heads[role]
             w = _Worker(name, role, len(heads), heads)
             size = declared.blocks if declared is not None else 0
+            first = max(size, self.min_blocks)
+            self._grow(w, self._reserve(w, first, first))
             self._workers[name] = w
             self._pending_events[name] = []
-            self._grow(w, max(size, self.min_blocks))
         need = list(need)
         if need:
             top = max(need)
             if top >= w.nblocks:
-                self._grow(w, max(2 * w.nblocks, top + 1))
+                self._grow(w, self._reserve(w, top + 1, max(2 * w.nblocks, top + 1)))
         return w
 
     def _grow(self, w: _Worker, nblocks: int) -> None:
@@ -555,6 +638,7 @@ class TorchBackend:
                 t[: w.nblocks].copy_(w.pools[r])
             new.append(t)
         w.pools = new
+        self.memory += (nblocks - w.nblocks) * self.block_bytes(w.role)
         w.nblocks = nblocks
 
     def _touch(self, w: _Worker, blocks: Iterable[int], line: int) -> None:
@@ -857,12 +941,12 @@ class TorchBackend:
             return True
         w = self._workers.get(worker)
         bs = self.layout.block_size
-        codes = self._expect_codes(g, upto)
         need_blocks = -(-upto // bs)
-        if w is None or len(table) < need_blocks:
+        if w is None or len(table) < need_blocks:  # before any list of upto codes is made
             have = 0 if w is None else len(table)
             self._report_missing(g, worker, table, have * bs, what, line, witness, transfer, ticket)
             return False
+        codes = self._expect_codes(g, upto)
         self._worker(worker, need=table[:need_blocks])
         self._main_touch(worker)
         for bi in range(need_blocks):
@@ -1064,7 +1148,9 @@ class TorchBackend:
         w = self._worker(ev.worker, "prefill")
         if table is None or w is None:
             return
-        self._write_positions(w, table, g.tag, 0, [_PROMPT] * ev.processed_len, line)
+        # positions past the table are dropped: never make more codes than it holds
+        n = min(ev.processed_len, len(table) * self.layout.block_size)
+        self._write_positions(w, table, g.tag, 0, [_PROMPT] * n, line)
 
     def _on_alloc(self, ev: Alloc, line: int) -> None:
         key = (ev.request, ev.gen)
@@ -1248,6 +1334,11 @@ def _device(device: str | torch.device) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise UsageError("device", str(device), "cpu or cuda (cuda:N)")
     return dev
+
+
+def _amount(n: int) -> str:
+    """An integer for a message, huge ones shortened."""
+    return f"{n:,}" if n < 10**15 else f"~10**{len(str(n)) - 1}"
 
 
 def _fmt(key: tuple[str, int]) -> str:
