@@ -11,7 +11,7 @@ import pytest
 
 from pdproto._cli import main
 from pdproto.cost._model import (
-    DTYPES,
+    DTYPE_BYTES,
     GIB,
     MIB,
     PRESETS,
@@ -48,7 +48,7 @@ class TestKVSize:
         """GQA: halving the KV heads halves the bytes, whatever the query heads."""
         assert KVShape.gqa(32, 4, 128).kv_bytes(4096) == 256 * MIB
 
-    @pytest.mark.parametrize(("dtype", "nbytes"), sorted(DTYPES.items()))
+    @pytest.mark.parametrize(("dtype", "nbytes"), sorted(DTYPE_BYTES.items()))
     def test_dtype_names(self, dtype: str, nbytes: int) -> None:
         """Each dtype name sets the bytes per element."""
         assert KVShape.gqa(32, 8, 128, dtype).kv_bytes(4096) == 256 * MIB * nbytes

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..cost._model import (
-    DTYPES,
+    DTYPE_BYTES,
     PRESETS,
     CostModel,
     CostReport,
@@ -26,10 +26,12 @@ from ..cost._model import (
     format_bytes,
 )
 from .._errors import UsageError
+from ._args import esc, int_type
 
 __all__ = ["add_parser", "run"]
 
 DEFAULT_PRESET = "teaching-gqa"
+_INT = int_type()  # ASCII digits only; the model checks the range
 
 # Library field name -> the flag that sets it, so errors name what the user typed.
 _FLAGS = {
@@ -75,24 +77,24 @@ def add_parser(subparsers: Any) -> None:
             "disaggregated, with the break-even colocated wait.  With no flags: the seed's worked "
             "example.  Binary units: MiB = 2**20 B, GiB/s = 2**30 B/s."
         ),
-        epilog=f"presets: {presets}.  dtypes: {', '.join(f'{k} ({v} B)' for k, v in DTYPES.items())}.",
+        epilog=f"presets: {presets}.  dtypes: {', '.join(f'{k} ({v} B)' for k, v in DTYPE_BYTES.items())}.",
     )
     shape = parser.add_argument_group("KV shape (a preset, optionally overridden)")
     shape.add_argument("--preset", metavar="NAME", help=f"model shape preset (default {DEFAULT_PRESET})")
-    shape.add_argument("--layers", type=int, metavar="N", help="transformer layers")
-    shape.add_argument("--kv-heads", type=int, metavar="N", help="KV heads (not attention heads; GQA)")
-    shape.add_argument("--head-dim", type=int, metavar="N", help="elements per head")
+    shape.add_argument("--layers", type=_INT, metavar="N", help="transformer layers")
+    shape.add_argument("--kv-heads", type=_INT, metavar="N", help="KV heads (not attention heads; GQA)")
+    shape.add_argument("--head-dim", type=_INT, metavar="N", help="elements per head")
     shape.add_argument(
-        "--latent-dim", type=int, metavar="N", help="MLA: latent + RoPE elements per token per layer"
+        "--latent-dim", type=_INT, metavar="N", help="MLA: latent + RoPE elements per token per layer"
     )
     shape.add_argument(
-        "--dtype", metavar="NAME|BYTES", help=f"KV dtype ({', '.join(DTYPES)}) or bytes per element"
+        "--dtype", metavar="NAME|BYTES", help=f"KV dtype ({', '.join(DTYPE_BYTES)}) or bytes per element"
     )
     shape.add_argument(
-        "--tokens", type=int, default=4096, metavar="N", help="positions in the KV (default 4096)"
+        "--tokens", type=_INT, default=4096, metavar="N", help="positions in the KV (default 4096)"
     )
     shape.add_argument(
-        "--tp", type=int, default=1, metavar="N", help="TP ranks the KV heads are split over (default 1)"
+        "--tp", type=_INT, default=1, metavar="N", help="TP ranks the KV heads are split over (default 1)"
     )
 
     link = parser.add_argument_group("link")
@@ -108,7 +110,7 @@ def add_parser(subparsers: Any) -> None:
     )
     link.add_argument(
         "--links",
-        type=int,
+        type=_INT,
         default=1,
         metavar="N",
         help="independent links the TP ranks send over; 1 = shared egress (default 1)",
@@ -132,7 +134,7 @@ def add_parser(subparsers: Any) -> None:
         help="colocated extra queueing wait before prefill (default 30)",
     )
     timing.add_argument(
-        "--first-tokens", type=int, default=4, metavar="K", help="tokens to time (default 4, >= 2)"
+        "--first-tokens", type=_INT, default=4, metavar="K", help="tokens to time (default 4, >= 2)"
     )
 
     out = parser.add_argument_group("output")
@@ -204,7 +206,7 @@ def _size(nbytes: int) -> str:
 
 
 def _describe_shape(shape: KVShape) -> str:
-    dtype = next((k for k, v in DTYPES.items() if v == shape.bytes_per_element), None)
+    dtype = next((k for k, v in DTYPE_BYTES.items() if v == shape.bytes_per_element), None)
     elem = f"{shape.bytes_per_element} B" + (f" ({dtype})" if dtype else "")
     if shape.is_mla:
         return f"{shape.layers} layers × latent {shape.latent_dim} (MLA, one latent, no separate V) × {elem}"
@@ -376,5 +378,5 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return 0
     _report(console, label, report)
     if args.plot is not None:
-        console.print(f"wrote {args.plot}")
+        console.print(f"wrote {esc(args.plot)}")
     return 0

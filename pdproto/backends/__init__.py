@@ -8,7 +8,8 @@ from __future__ import annotations
 
 __all__ = ["KV_CORRUPTION", "KVCorruption", "TorchBackend"]
 
-_LAZY = {name: "._torch" for name in ("KV_CORRUPTION", "KVCorruption", "TorchBackend", "KVLayout", "rank_heads", "parse_tp")}
+_LAZY = {name: "._torch" for name in ("KV_CORRUPTION", "KVCorruption", "TorchBackend", "KVLayout", "rank_heads",
+                                       "parse_tp", "TORCH_DTYPES", "DEFAULT_MAX_MEMORY")}
 
 
 def __getattr__(name: str) -> object:

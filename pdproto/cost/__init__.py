@@ -1,7 +1,7 @@
 """The cost model of one KV handoff (``pdproto cost``): KV size, transfer time,
 colocated vs disaggregated timelines, break-even wait, and their plots."""
 
-from ._model import DTYPES as DTYPES
+from ._model import DTYPE_BYTES as DTYPE_BYTES
 from ._model import GIB as GIB
 from ._model import MIB as MIB
 from ._model import PRESETS as PRESETS
@@ -18,7 +18,7 @@ from ._plot import timeline_svg as timeline_svg
 from ._plot import write_plot as write_plot
 
 __all__ = [
-    "DTYPES",
+    "DTYPE_BYTES",
     "GIB",
     "MIB",
     "PRESETS",

@@ -29,8 +29,13 @@ import attrs
 from .._errors import UsageError
 
 __all__ = [
-    "DTYPES",
+    "DTYPE_BYTES",
     "GIB",
+    "MAX_SIZE",
+    "MAX_TOKENS",
+    "MAX_MS",
+    "MIN_BANDWIDTH_GIBPS",
+    "MAX_FIRST_TOKENS",
     "MIB",
     "PRESETS",
     "CostModel",
@@ -50,7 +55,22 @@ MIB = 2**20
 GIB = 2**30
 
 #: Bytes per element of the KV cache for each dtype name accepted.
-DTYPES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+# Bounds.  Far beyond any real model, they keep every product of sizes and
+# every time a finite float, so no input can make the arithmetic overflow
+# or turn to NaN.
+#: The largest layer, head, dimension, byte, TP and link count.
+MAX_SIZE = 2**20
+#: The most tokens one handoff may carry.
+MAX_TOKENS = 2**40
+#: The longest time, in ms (about 31 years).
+MAX_MS = 1e12
+#: The smallest bandwidth, GiB/s (about 1 byte/s), and the largest.
+MIN_BANDWIDTH_GIBPS = 1e-9
+MAX_BANDWIDTH_GIBPS = 1e12
+#: The most tokens one timeline reports.
+MAX_FIRST_TOKENS = 10_000
 
 
 # -- validators -------------------------------------------------------------
@@ -60,7 +80,16 @@ DTYPES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 
 
 def _positive_int(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if type(value) is not int or value < 1:
-        raise UsageError(attr.name, value, "a positive integer")
+        raise UsageError(attr.name, _shown(value), "a positive integer")
+    if value > MAX_SIZE:
+        raise UsageError(attr.name, _shown(value), f"a positive integer <= {MAX_SIZE:,}")
+
+
+def _shown(value: object) -> object:
+    """``value`` for a message: a huge integer shortened."""
+    if type(value) is int and abs(value) >= 10**30:
+        return f"~10**{len(str(abs(value))) - 1}"
+    return value
 
 
 def _optional_positive_int(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
@@ -68,20 +97,22 @@ def _optional_positive_int(_inst: object, attr: attrs.Attribute[Any], value: obj
         _positive_int(_inst, attr, value)
 
 
-def _number(minimum_exclusive: bool) -> Callable[[object, attrs.Attribute[Any], object], None]:
-    allowed = "a finite number > 0" if minimum_exclusive else "a finite number >= 0"
+def _number(low: float, high: float, low_inclusive: bool) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    allowed = f"a finite number {'>=' if low_inclusive else '>'} {low:g} and <= {high:g}"
+    if low == MIN_BANDWIDTH_GIBPS:
+        allowed = f"a number from {low:g} to {high:g}"
 
     def check(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
         ok = type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
-        if ok and (value > 0 if minimum_exclusive else value >= 0):  # type: ignore[operator]
+        if ok and (value >= low if low_inclusive else value > low) and value <= high:  # type: ignore[operator]
             return
-        raise UsageError(attr.name, value, allowed)
+        raise UsageError(attr.name, _shown(value), allowed)
 
     return check
 
 
-_positive = _number(minimum_exclusive=True)
-_non_negative = _number(minimum_exclusive=False)
+_bandwidth = _number(MIN_BANDWIDTH_GIBPS, MAX_BANDWIDTH_GIBPS, low_inclusive=True)
+_non_negative = _number(0.0, MAX_MS, low_inclusive=True)
 
 
 def _bytes_per_element(dtype: str | int) -> int:
@@ -91,11 +122,11 @@ def _bytes_per_element(dtype: str | int) -> int:
             return dtype
     elif isinstance(dtype, str):
         key = dtype.strip().lower()
-        if key in DTYPES:
-            return DTYPES[key]
-        if key.isdigit() and int(key) >= 1:
+        if key in DTYPE_BYTES:
+            return DTYPE_BYTES[key]
+        if key.isascii() and key.isdigit() and len(key) < 10 and int(key) >= 1:
             return int(key)
-    raise UsageError("dtype", dtype, f"one of {', '.join(DTYPES)} or a positive number of bytes")
+    raise UsageError("dtype", dtype, f"one of {', '.join(DTYPE_BYTES)} or a positive number of bytes")
 
 
 # -- the shape of the KV ----------------------------------------------------
@@ -138,7 +169,7 @@ class KVShape:
 
     @classmethod
     def gqa(cls, layers: int, kv_heads: int, head_dim: int, dtype: str | int = "bf16") -> KVShape:
-        """A GQA/MHA shape; ``dtype`` is a name from :data:`DTYPES` or bytes per element."""
+        """A GQA/MHA shape; ``dtype`` is a name from :data:`DTYPE_BYTES` or bytes per element."""
         return cls(layers, kv_heads=kv_heads, head_dim=head_dim, bytes_per_element=_bytes_per_element(dtype))
 
     @classmethod
@@ -222,13 +253,13 @@ class KVShape:
 
 
 def _check_tokens(tokens: object) -> None:
-    if type(tokens) is not int or tokens < 1:
-        raise UsageError("tokens", tokens, "a positive integer")
+    if type(tokens) is not int or not 1 <= tokens <= MAX_TOKENS:
+        raise UsageError("tokens", _shown(tokens), f"a positive integer <= {MAX_TOKENS:,}")
 
 
 def _check_tp(tp: object) -> None:
-    if type(tp) is not int or tp < 1:
-        raise UsageError("tp", tp, "a positive integer")
+    if type(tp) is not int or not 1 <= tp <= MAX_SIZE:
+        raise UsageError("tp", _shown(tp), f"a positive integer <= {MAX_SIZE:,}")
 
 
 #: Named shapes.  The public ones are the values in each model's published
@@ -253,10 +284,11 @@ class Link:
     """One effective path: ``bandwidth_gibps`` GiB/s after a fixed ``latency_ms``.
 
     Raises:
-        UsageError: a bandwidth that is not > 0, or a negative latency.
+        UsageError: a bandwidth outside [MIN_BANDWIDTH_GIBPS, 1e12] GiB/s, or a latency
+            outside [0, MAX_MS] ms.
     """
 
-    bandwidth_gibps: float = attrs.field(validator=_positive)
+    bandwidth_gibps: float = attrs.field(validator=_bandwidth)
     latency_ms: float = attrs.field(default=0.0, kw_only=True, validator=_non_negative)
 
     def transfer_ms(self, nbytes: int) -> float:
@@ -406,7 +438,7 @@ class CostModel:
     """
 
     shape: KVShape = attrs.field(validator=attrs.validators.instance_of(KVShape))
-    tokens: int = attrs.field(validator=_positive_int)
+    tokens: int = attrs.field(validator=lambda _i, _a, v: _check_tokens(v))
     link: Link = attrs.field(validator=attrs.validators.instance_of(Link))
     timing: Timing = attrs.field(validator=attrs.validators.instance_of(Timing))
     tp: int = attrs.field(default=1, kw_only=True, validator=_positive_int)
@@ -495,8 +527,8 @@ class CostModel:
 
 
 def _check_first_tokens(count: object) -> None:
-    if type(count) is not int or count < 2:
-        raise UsageError("first_tokens", count, "an integer >= 2")
+    if type(count) is not int or not 2 <= count <= MAX_FIRST_TOKENS:
+        raise UsageError("first_tokens", _shown(count), f"an integer from 2 to {MAX_FIRST_TOKENS:,}")
 
 
 # -- the report -------------------------------------------------------------
