@@ -95,7 +95,6 @@ class Event:
     __slots__ = ()
     EV: ClassVar[str] = ""
     FIELDS: ClassVar[Mapping[str, str]] = {}
-    DOC: ClassVar[str] = ""
 
     def to_dict(self) -> dict[str, Any]:
         """The event's JSON object: ``"ev"`` first, optional fields left out
@@ -112,15 +111,6 @@ class Event:
                 out.setdefault(key, value)
         return out
 
-    @property
-    def gen_key(self) -> tuple[str, int] | None:
-        """``(request, gen)`` when the event names a generation, else None."""
-        request = getattr(self, "request", None)
-        gen = getattr(self, "gen", None)
-        if request is None or gen is None:
-            return None
-        return (request, gen)
-
 
 _EXTRA = attrs.field(factory=dict, kw_only=True, hash=False, repr=False)
 
@@ -129,7 +119,6 @@ _EXTRA = attrs.field(factory=dict, kw_only=True, hash=False, repr=False)
 class Submit(Event):
     EV = "submit"
     FIELDS = {"request": _STR, "gen": _NAT, "prompt_len": _NAT, "max_new_tokens": _OPT_NAT}
-    DOC = "a generation of a request enters"
     request: str
     gen: int
     prompt_len: int
@@ -141,7 +130,6 @@ class Submit(Event):
 class Reserve(Event):
     EV = "reserve"
     FIELDS = {"request": _STR, "gen": _NAT, "ticket": _STR, "worker": _STR, "blocks": _BLOCKS}
-    DOC = "D-side target blocks reserved for this handoff under a ticket"
     request: str
     gen: int
     ticket: str
@@ -154,7 +142,6 @@ class Reserve(Event):
 class PrefillStart(Event):
     EV = "prefill_start"
     FIELDS = {"request": _STR, "gen": _NAT, "worker": _STR, "blocks": _BLOCKS}
-    DOC = "P allocates source blocks and starts prefill"
     request: str
     gen: int
     worker: str
@@ -172,7 +159,6 @@ class PrefillDone(Event):
         "first_token": _NAT,
         "processed_len": _NAT,
     }
-    DOC = "prefill over; first token sampled (it is not in the KV)"
     request: str
     gen: int
     worker: str
@@ -185,7 +171,6 @@ class PrefillDone(Event):
 class Alloc(Event):
     EV = "alloc"
     FIELDS = {"request": _STR, "gen": _NAT, "worker": _STR, "blocks": _BLOCKS}
-    DOC = "any other allocation (for example D blocks for decode growth)"
     request: str
     gen: int
     worker: str
@@ -206,7 +191,6 @@ class TransferStart(Event):
         "dst": _STR,
         "dst_blocks": _BLOCKS,
     }
-    DOC = "the data plane starts reading src_blocks and writing dst_blocks"
     transfer: str
     ticket: str
     request: str
@@ -222,7 +206,6 @@ class TransferStart(Event):
 class TransferReadDone(Event):
     EV = "transfer_read_done"
     FIELDS = {"transfer": _STR}
-    DOC = "no more reads of the source will happen"
     transfer: str
     extra: dict = _EXTRA
 
@@ -231,7 +214,6 @@ class TransferReadDone(Event):
 class TransferWriteDone(Event):
     EV = "transfer_write_done"
     FIELDS = {"transfer": _STR}
-    DOC = "every write into the target has landed"
     transfer: str
     extra: dict = _EXTRA
 
@@ -240,7 +222,6 @@ class TransferWriteDone(Event):
 class TransferFailed(Event):
     EV = "transfer_failed"
     FIELDS = {"transfer": _STR}
-    DOC = "the transfer stopped without success; no read or write of it can still happen"
     transfer: str
     extra: dict = _EXTRA
 
@@ -249,7 +230,6 @@ class TransferFailed(Event):
 class TransferAbort(Event):
     EV = "transfer_abort"
     FIELDS = {"transfer": _STR}
-    DOC = "an abort was requested; reads and writes may still be in flight"
     transfer: str
     extra: dict = _EXTRA
 
@@ -258,7 +238,6 @@ class TransferAbort(Event):
 class Commit(Event):
     EV = "commit"
     FIELDS = {"request": _STR, "gen": _NAT, "ticket": _STR, "worker": _STR}
-    DOC = "D takes decode ownership"
     request: str
     gen: int
     ticket: str
@@ -278,7 +257,6 @@ class Decode(Event):
         "output_token": _NAT,
         "blocks": _BLOCKS,
     }
-    DOC = "one decode step that read blocks"
     request: str
     gen: int
     worker: str
@@ -293,7 +271,6 @@ class Decode(Event):
 class Finish(Event):
     EV = "finish"
     FIELDS = {"request": _STR, "gen": _NAT, "reason": _OPT_STR}
-    DOC = "the generation ends normally"
     request: str
     gen: int
     reason: str | None = None
@@ -304,7 +281,6 @@ class Finish(Event):
 class Cancel(Event):
     EV = "cancel"
     FIELDS = {"request": _STR, "gen": _NAT, "reason": _OPT_STR}
-    DOC = "the generation ends: cancelled by the client"
     request: str
     gen: int
     reason: str | None = None
@@ -315,7 +291,6 @@ class Cancel(Event):
 class Fail(Event):
     EV = "fail"
     FIELDS = {"request": _STR, "gen": _NAT, "reason": _OPT_STR}
-    DOC = "the generation ends: given up by the system"
     request: str
     gen: int
     reason: str | None = None
@@ -326,7 +301,6 @@ class Fail(Event):
 class Free(Event):
     EV = "free"
     FIELDS = {"worker": _STR, "blocks": _BLOCKS, "request": _OPT_STR, "gen": _OPT_NAT}
-    DOC = "blocks returned to the pool"
     worker: str
     blocks: tuple[int, ...] = attrs.field(converter=_blocks)
     request: str | None = None
@@ -338,7 +312,6 @@ class Free(Event):
 class Restart(Event):
     EV = "restart"
     FIELDS = {"worker": _STR, "incarnation": _NAT}
-    DOC = "the worker crashed and came back; all its memory is gone"
     worker: str
     incarnation: int
     extra: dict = _EXTRA
