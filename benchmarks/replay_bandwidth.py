@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     header = HistoryHeader(policy="push", workers={
         "P0": WorkerSpec("prefill", nblocks), "D0": WorkerSpec("decode", nblocks)})
     backend = TorchBackend(header, device=args.device, dtype="bfloat16", layers=layers,
-                           kv_heads=heads, head_dim=head_dim, block_size=bs)
+                           kv_heads=heads, head_dim=head_dim, block_size=bs,
+                           max_memory=None)  # the sizes are fixed above
     device = backend.device
     blocks = tuple(range(nblocks))
     nbytes = nblocks * backend.layout.block_bytes
