@@ -6,7 +6,7 @@
 Prints distinct states per second on a model whose step is nearly free
 (benchmarks/toy_model.py: the explorer's own overhead; a plain Python BFS
 over a set of tuples on the same model is printed alongside), on the
-reference model with the monitor attached (when pdproto/_reference.py
+reference model with the monitor attached (when pdproto/protocol/_reference.py
 exists), and the memory a state costs, in exact and fingerprint mode, with
 the cyclic GC frozen (the default) and not.
 
@@ -142,8 +142,7 @@ def main() -> int:
             m = measure({"model": "toy", "config": list(big), "fingerprint": fp, "freeze_gc": frozen})
             mem_row(f"{'fingerprint' if fp else 'exact'}, GC {'frozen' if frozen else 'on'}", m)
 
-    ref_path = os.path.join(ROOT, "pdproto", "_reference.py")
-    if os.path.exists(ref_path):
+    if os.path.exists(os.path.join(ROOT, "pdproto", "protocol", "_reference.py")):
         from pdproto.drivers._loader import load_model
 
         ref, info = load_model(None)
@@ -176,7 +175,7 @@ def main() -> int:
                 m = measure({"model": "reference", "fingerprint": fp, "symmetry": sym, "max_states": limit})
                 mem_row(f"memory, {'fingerprint' if fp else 'exact'}, symmetry {m['symmetry']}", m)
     else:
-        print("reference model: pdproto/_reference.py not present; skipped")
+        print("reference model: pdproto/protocol/_reference.py not present; skipped")
     return 0
 
 

@@ -143,6 +143,23 @@ class ToyHandoff:
         return (tuple(new), cancels), Renaming(names, blocks)
 
 
+def rename_event(event, names, blocks):
+    """``event`` with its ids renamed: ``names`` maps request, ticket,
+    transfer and worker ids, ``blocks`` maps (old worker, block) to a block."""
+    import attrs
+
+    changes = {}
+    for f in ("request", "ticket", "transfer", "worker", "src", "dst"):
+        v = getattr(event, f, None)
+        if v is not None:
+            changes[f] = names.get(v, v)
+    for f, w in (("blocks", getattr(event, "worker", None)), ("src_blocks", getattr(event, "src", None)),
+                 ("dst_blocks", getattr(event, "dst", None))):
+        if getattr(event, f, None) is not None:
+            changes[f] = tuple(blocks.get((w, b), b) for b in getattr(event, f))
+    return attrs.evolve(event, **changes)
+
+
 def build(config=None):
     return ToyHandoff(**(config or {}))
 

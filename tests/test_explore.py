@@ -11,8 +11,7 @@ import sys
 import pytest
 
 from pdproto import Monitor, read_events
-from pdproto.drivers._explore import (Counterexample, ExploreResult, _monitor_from_key, explore,
-                              rename_monitor_key, replay)
+from pdproto.drivers._explore import Counterexample, ExploreResult, explore, rename_monitor_key, rerun
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _toy_handoff as toy  # noqa: E402
@@ -84,7 +83,7 @@ def test_counterexample_is_shortest(bug, expected):
     assert cx.violations[0].witness == found[0].witness
 
 
-def test_replay_reproduces_trace():
+def test_rerun_reproduces_trace():
     model = toy.ToyHandoff(bug="early-source-free")
     cx = explore(model).violations[0]
     actions = [model.actions(s) for s in [model.initial_states()[0]]]
@@ -94,7 +93,7 @@ def test_replay_reproduces_trace():
         acts = list(model.actions(state))
         idx.append(acts.index(s.action))
         state, _ = model.step(state, s.action)
-    steps, last = replay(model, 0, idx)
+    steps, last = rerun(model, 0, idx)
     assert [st.events for st in steps] == [st.events for st in cx.trace]
     assert last == state and actions
 
@@ -177,27 +176,11 @@ def test_symmetry_reduces_and_preserves_verdicts(bug):
 
 
 def test_rename_monitor_key_is_equivariant():
-    """Renaming the verdict state == feeding renamed events."""
-    import attrs
-
+    """Renaming the verdict state == feeding renamed events, along the toy's paths."""
     model = toy.ToyHandoff(requests=2, blocks=2)
     names = {"r0": "r1", "r1": "r0", "t-r0": "t-r1", "t-r1": "t-r0", "x-r0": "x-r1", "x-r1": "x-r0"}
     blocks = {("D0", 0): 1, ("D0", 1): 0, ("P0", 0): 1, ("P0", 1): 0}
-
-    def rename_event(e):
-        changes = {}
-        for f in ("request", "ticket", "transfer", "worker", "src", "dst"):
-            v = getattr(e, f, None)
-            if v is not None:
-                changes[f] = names.get(v, v)
-        for f, w in (("blocks", getattr(e, "worker", None)), ("src_blocks", getattr(e, "src", None)),
-                     ("dst_blocks", getattr(e, "dst", None))):
-            if getattr(e, f, None) is not None:
-                changes[f] = tuple(blocks.get((w, b), b) for b in getattr(e, f))
-        return attrs.evolve(e, **changes)
-
     checked = 0
-    state = model.initial_states()[0]
     for seq in itertools.product(range(4), repeat=9):
         state = model.initial_states()[0]
         a, b = _monitor(model), _monitor(model)
@@ -208,9 +191,10 @@ def test_rename_monitor_key_is_equivariant():
             state, evs = model.step(state, acts[k % len(acts)])
             for e in evs:
                 a.feed(e)
-                b.feed(rename_event(e))
+                b.feed(toy.rename_event(e, names, blocks))
         assert rename_monitor_key(a.key(), names, blocks) == b.key()
-        assert _monitor_from_key(a, a.key()).key() == a.key()
+        assert a.with_key(a.key()).key() == a.key()
+        assert a.renamed(names, blocks).key() == b.key()
         checked += 1
         if checked > 300:
             break

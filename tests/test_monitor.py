@@ -12,6 +12,7 @@ import os
 
 import pytest
 from conftest import ROOT
+from _toy_handoff import rename_event
 
 from make_examples import WORKERS, cancel_mid_transfer, drop, pull_handoff, push_handoff, replace
 from pdproto import (
@@ -20,9 +21,11 @@ from pdproto import (
     Cancel,
     Commit,
     Decode,
+    Fail,
     Free,
     Monitor,
     PrefillDone,
+    PrefillStart,
     Reserve,
     Restart,
     Submit,
@@ -391,3 +394,90 @@ def test_every_invariant_is_documented():
         text = fh.read()
     for inv in INVARIANTS:
         assert f"`{inv}`" in text, inv
+
+
+def test_feed_rejects_a_foreign_object_and_changes_nothing():
+    m = Monitor()
+    m.feed(Submit("r", 0, 1))
+    m.feed(Free("D0", (1,)))
+    before = (m.key(), m.line, m.events, list(m.violations), dict(m._lines))
+    for foreign in ({"ev": "submit", "request": "r", "gen": 1}, "submit", None):
+        with pytest.raises(UsageError) as info:
+            m.feed(foreign)
+        assert info.value.what == "event" and info.value.value == foreign
+        assert "Submit" in info.value.allowed and "Restart" in info.value.allowed
+        assert (m.key(), m.line, m.events, list(m.violations), dict(m._lines)) == before
+
+
+# -- renaming ids -------------------------------------------------------------
+
+#: a history that puts something in every verdict table and every kind of
+#: witness line: a transfer whose target restarts mid-write (quarantine,
+#: incarnation, a lost and then failed transfer), a clean handoff (commit,
+#: decodes), and a request that never ends
+_EVERY_TABLE = [
+    Submit("r1", 0, prompt_len=6, max_new_tokens=3),
+    Reserve("r1", 0, "t1", "D0", (0, 1)),
+    PrefillStart("r1", 0, "P0", (0, 1)),
+    PrefillDone("r1", 0, "P0", first_token=7, processed_len=6),
+    TransferStart("x1", "t1", "r1", 0, "P0", (0, 1), "D0", (0, 1)),
+    TransferReadDone("x1"),
+    Restart("D0", 1),
+    TransferFailed("x1"),
+    Fail("r1", 0, reason="transfer failed"),
+    Free("P0", (0, 1), request="r1", gen=0),
+] + [ev for _, ev in push_handoff("r2", p_blocks=(2, 3), d_blocks=(2, 3))] + [
+    Submit("r3", 0, prompt_len=2),
+    Alloc("r3", 0, "P0", (4,)),
+    Free("D0", (0,)),  # bad-free: its witness is the restart's line
+]
+_NAMES = {"r1": "r3", "r3": "r1", "t1": "u1", "x1": "y1", "t-r2-0": "t2", "x-r2-0": "x2", "P0": "P1", "D0": "D7"}
+_BLOCKS = {("P0", 0): 4, ("P0", 4): 0, ("P0", 2): 1, ("P0", 1): 2, ("D0", 0): 3, ("D0", 3): 0}
+
+
+def test_renaming_has_a_rule_for_every_verdict_table():
+    assert set(Monitor._RENAME) == set(Monitor._VERDICT)
+    assert len(Monitor._VERDICT) == len(set(Monitor._VERDICT))
+    # every table of the monitor's state is in the verdict state (or is the witness bookkeeping)
+    m = Monitor()
+    m.feed_all(_EVERY_TABLE)
+    tables = {name for name in Monitor.__slots__ if name.startswith("_") and isinstance(getattr(m, name), dict)}
+    assert tables == set(Monitor._VERDICT) | {"_lines"}
+
+
+def test_renaming_the_state_is_feeding_renamed_events():
+    """On a history that fills every table: the renamed key (and the renamed
+    monitor, witness lines included) is that of the renamed history, after
+    every event; and both report the same afterwards."""
+    a, b = Monitor(complete=True), Monitor(complete=True)
+    filled: set[str] = set()
+    for ev in _EVERY_TABLE:
+        a.feed(ev)
+        b.feed(rename_event(ev, _NAMES, _BLOCKS))
+        filled |= {name for name in Monitor._VERDICT if getattr(a, name)}
+        assert Monitor.renamed_key(a.key(), _NAMES, _BLOCKS) == b.key()
+    assert filled == set(Monitor._VERDICT)
+    assert {tag for tag, _ in a._lines} == set(Monitor._LINE_TAGS)
+    assert a.key() != b.key()
+    c = a.renamed(_NAMES, _BLOCKS)
+    assert c.key() == b.key() and c._lines == b._lines and c.violations == []
+    assert [v.invariant for v in a.violations] == ["bad-free"] and a.violations[0].witness == (7,)
+    # the same renaming as one object with .names and .blocks
+    ren = type("R", (), {"names": _NAMES, "blocks": _BLOCKS})()
+    assert Monitor.renamed_key(a.key(), ren) == b.key() and a.renamed(ren).key() == b.key()
+    # the renamed monitor goes on as the monitor of the renamed history
+    later = Free("P0", (4,), request="r1", gen=0)
+    assert c.feed(rename_event(later, _NAMES, _BLOCKS)) == b.feed(rename_event(later, _NAMES, _BLOCKS))
+    assert c.finish() == b.finish() != []
+    assert a.key() != c.key()  # a is unchanged
+
+
+def test_from_key_and_with_key():
+    a = Monitor("pull", complete=True, workers=WORKERS)
+    a.feed_all(ev for _, ev in pull_handoff()[:5])
+    b = Monitor.from_key(a.key(), "pull", complete=True, workers=WORKERS)
+    assert b.key() == a.key() and b.policy == "pull" and b.complete and b.violations == []
+    c = a.with_key(Monitor().key())
+    assert c.key() == Monitor().key() and c.policy == "pull" and c.workers == a.workers
+    rest = [ev for _, ev in pull_handoff()[5:]]
+    assert b.feed_all(rest) == [] and b.finish() == []

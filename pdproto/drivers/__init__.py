@@ -5,7 +5,7 @@ from ._explore import Step as Step
 from ._explore import Counterexample as Counterexample
 from ._explore import ExploreResult as ExploreResult
 from ._explore import explore as explore
-from ._explore import replay as replay
+from ._explore import rerun as rerun
 from ._explore import rename_monitor_key as rename_monitor_key
 from ._loader import load_model as load_model
 from ._loader import list_models as list_models
@@ -16,7 +16,7 @@ __all__ = [
     "Counterexample",
     "ExploreResult",
     "explore",
-    "replay",
+    "rerun",
     "rename_monitor_key",
     "load_model",
     "list_models",

@@ -201,6 +201,41 @@ class Monitor:
         "_incarnation",
         "_progress",
     )
+    #: what each verdict table holds, as (kind of its keys, kind of its values),
+    #: so that a renaming of ids reaches every table (see :meth:`renamed_key`;
+    #: the kinds are those of ``_rename_functions``)
+    _RENAME = {
+        "_max_gen": ("id", "same"),
+        "_gens": ("gen", "same"),
+        "_owner": ("block", "gen"),
+        "_quarantine": ("block", "same"),
+        "_reading": ("block", "id-set"),
+        "_writing": ("block", "id-set"),
+        "_transfers": ("id", "transfer"),
+        "_inflight": ("id", "same"),
+        "_tickets": ("id", "ticket"),
+        "_ticket_left": ("id", "same"),
+        "_open_tickets": ("gen", "same"),
+        "_block_ticket": ("block", "id"),
+        "_ticket_transfers": ("id", "id-tuple"),
+        "_commits": ("gen", "id"),
+        "_incarnation": ("id", "same"),
+        "_progress": ("gen", "same"),  # decodes so far, last position, last output
+    }
+    #: what the second part of a ``_lines`` key is, by its tag
+    _LINE_TAGS = {
+        "submit": "gen",
+        "prefill_done": "gen",
+        "commit": "gen",
+        "decode": "gen",
+        "end": "gen",
+        "alloc": "block",
+        "free": "block",
+        "restart": "id",
+        "ticket": "id",
+        "transfer": "id",
+        "failed": "id",
+    }
     __slots__ = (
         ("policy", "complete", "workers", "skip", "violations", "line", "events", "_out")
         + _VERDICT
@@ -250,11 +285,16 @@ class Monitor:
     # -- public -------------------------------------------------------------
 
     def feed(self, event: Event, line: int | None = None) -> list[Violation]:
-        """Check one event; return the violations it made certain."""
+        """Check one event; return the violations it made certain.  Anything
+        but an event raises :class:`UsageError` and changes nothing."""
+        handler = _DISPATCH.get(type(event))
+        if handler is None:
+            raise UsageError("event", event, "one of the event classes " + ", ".join(
+                cls.__name__ for cls in _DISPATCH))
         self.line = self.line + 1 if line is None else line
         self.events += 1
         out = self._out = []
-        _DISPATCH[type(event)](self, event, self.line)
+        handler(self, event, self.line)
         if out:
             self.violations.extend(out)
         return out
@@ -315,6 +355,61 @@ class Monitor:
         report the same violations for every continuation (up to line
         numbers)."""
         return tuple(frozenset(getattr(self, name).items()) for name in self._VERDICT)
+
+    def with_key(self, key: tuple) -> "Monitor":
+        """A monitor with this one's settings (policy, completeness, pools,
+        skipped invariants), line and event counts, in the verdict state
+        ``key`` (a :meth:`key` value); no violations and no witness lines."""
+        new = self.copy()
+        new.violations = []
+        new._lines = {}
+        for name, items in zip(self._VERDICT, key):
+            setattr(new, name, dict(items))
+        return new
+
+    @classmethod
+    def from_key(
+        cls,
+        key: tuple,
+        policy: str = "push",
+        *,
+        complete: bool = False,
+        workers: Mapping[str, WorkerSpec] | None = None,
+        skip: Iterable[str] = (),
+    ) -> "Monitor":
+        """A new monitor (set up as :class:`Monitor` is) in the verdict state
+        ``key``, a :meth:`key` value."""
+        return cls(policy, complete=complete, workers=workers, skip=skip).with_key(key)
+
+    @classmethod
+    def renamed_key(cls, key: tuple, names: Any, blocks: Mapping[tuple[str, int], int] | None = None) -> tuple:
+        """Apply a renaming of ids to a :meth:`key` value: the result is the
+        key of a monitor fed the renamed events.
+
+        ``names`` maps old to new request ids, ticket ids, transfer ids and
+        worker names; ``blocks`` maps ``(worker, block)`` (the old worker
+        name) to the new block id.  Ids not mentioned keep their name.  In
+        place of the two mappings, ``names`` may be one object with
+        ``.names`` and ``.blocks`` (a :class:`pdproto.Renaming`)."""
+        f = _rename_functions(*_mappings(names, blocks))
+        out = []
+        for name, items in zip(cls._VERDICT, key):
+            if items:
+                fk, fv = (f[kind] for kind in cls._RENAME[name])
+                items = frozenset((fk(k), fv(v)) for k, v in items)
+            out.append(items)
+        return tuple(out)
+
+    def renamed(self, names: Any, blocks: Mapping[tuple[str, int], int] | None = None) -> "Monitor":
+        """An independent monitor in this one's state with ids renamed (the
+        arguments as for :meth:`renamed_key`): the monitor of the renamed
+        history, witness lines included, with no violations yet."""
+        names, blocks = _mappings(names, blocks)
+        new = self.with_key(self.renamed_key(self.key(), names, blocks))
+        f = _rename_functions(names, blocks)
+        tags = self._LINE_TAGS
+        new._lines = {(tag, f[tags[tag]](x)): line for (tag, x), line in self._lines.items()}
+        return new
 
     # -- helpers ------------------------------------------------------------
 
@@ -943,6 +1038,44 @@ class Monitor:
                     request=key[0],
                     gen=key[1],
                 )
+
+
+def _mappings(names: Any, blocks: Mapping | None) -> tuple[Mapping, Mapping]:
+    """(names, blocks) from two mappings or from one renaming object."""
+    if blocks is None and hasattr(names, "names") and hasattr(names, "blocks"):
+        return names.names, names.blocks
+    return names, ({} if blocks is None else blocks)
+
+
+def _rename_functions(names: Mapping[str, str], blocks: Mapping[tuple[str, int], int]) -> dict[str, Callable]:
+    """One function per kind of value the monitor stores, applying a renaming."""
+
+    def rn(s: str) -> str:  # a request, ticket, transfer or worker id
+        return names.get(s, s)
+
+    def gk(k: tuple[str, int]) -> tuple[str, int]:  # (request, gen)
+        return (names.get(k[0], k[0]), k[1])
+
+    def wb(k: tuple[str, int]) -> tuple[str, int]:  # (worker, block)
+        return (names.get(k[0], k[0]), blocks.get(k, k[1]))
+
+    def bl(worker: str, bs: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(blocks.get((worker, b), b) for b in bs)
+
+    def transfer(t: _Transfer) -> _Transfer:
+        return t._replace(ticket=rn(t.ticket), gen=gk(t.gen), src=rn(t.src), src_blocks=bl(t.src, t.src_blocks),
+                          dst=rn(t.dst), dst_blocks=bl(t.dst, t.dst_blocks))
+
+    return {
+        "same": lambda v: v,
+        "id": rn,
+        "gen": gk,
+        "block": wb,
+        "id-set": lambda v: frozenset(map(rn, v)),
+        "id-tuple": lambda v: tuple(map(rn, v)),
+        "transfer": transfer,
+        "ticket": lambda t: t._replace(gen=gk(t.gen), worker=rn(t.worker)),
+    }
 
 
 _DISPATCH: dict[type, Callable[[Monitor, Any, int], None]] = {

@@ -1,0 +1,533 @@
+"""The breadth-first search behind :func:`pdproto.explore`, in stages.
+
+- setup: :class:`_MonitorStates` interns the monitor's verdict states (an int
+  id each) and memoizes what a list of events does to them;
+  :func:`_key_functions` turns the model's symmetry hooks into the search
+  key of a product state; :class:`~._visited._Visited` is the visited set.
+- :meth:`_Search._seed` adds the initial states, :meth:`_Search._loop` runs
+  the level loop and handles every successor inline (it runs once per
+  transition, so everything it needs is bound to locals up front and the
+  rare cases call out: a quiet state, a violation, the data backend, a
+  graph edge, a wider link array);
+- :meth:`_Search._result` rebuilds the counterexamples from the parent
+  links, accounts for memory and returns the :class:`ExploreResult`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from array import array
+from collections import deque
+from typing import Any, Callable, Hashable, Iterator
+
+from ..spec._history import HistoryHeader
+from ..spec._monitor import Monitor, Violation
+from ..protocol._model import Renaming
+from ._results import Counterexample, ExploreResult
+from ._traces import _build_graph, _counterexample, _path
+from ._visited import _BAD, _PAIR, _flat_type, _Interner, _unpack, _Visited
+
+
+#: symmetry modes in which a state's search key is its flat stored form
+_CONCRETE = ("off", "none offered")
+
+
+class _MonitorStates:
+    """The monitor's verdict states seen so far, interned to ints (``mid``),
+    with a memo of ``(mid, events) -> mid`` (or ``(mid, violations)`` when the
+    events break a rule), keyed by one int: ``mid | (events id << 32)``."""
+
+    __slots__ = ("template", "keys", "ids", "parts", "memo", "ev_ids", "limit", "renamed", "ren_ids", "_last")
+
+    def __init__(self, template: Monitor | None, limit: int = 2_000_000) -> None:
+        self.template = template
+        self.keys: list[tuple] = []  # mid -> verdict key
+        self.ids: dict[tuple, int] = {}  # verdict key -> mid
+        self.parts: dict[Any, Any] = {}  # hash-consed key components
+        self.memo: dict[int, Any] = {}
+        self.ev_ids: dict[tuple, int] = {}
+        self.limit = limit
+        self.renamed: dict[int, int] = {}  # mid | (renaming id << 32) -> mid of renamed key
+        self.ren_ids: dict[Any, int] = {}
+        self._last: tuple[int, Monitor] | None = None  # the monitor of the last mid fed
+        if template is not None:
+            self.intern(template.key())
+
+    def intern(self, k: tuple) -> int:
+        mid = self.ids.get(k)
+        if mid is None:
+            parts = self.parts
+            k = tuple(parts.setdefault(p, p) for p in k)
+            mid = len(self.keys)
+            self.keys.append(k)
+            self.ids[k] = mid
+        return mid
+
+    def monitor(self, mid: int) -> Monitor:
+        """A monitor in verdict state ``mid`` (no line bookkeeping)."""
+        assert self.template is not None
+        return self.template.with_key(self.keys[mid])
+
+    def events_id(self, evs: tuple) -> int:
+        """A new id for a tuple of events (the memo starts over when full)."""
+        ev_ids = self.ev_ids
+        if len(ev_ids) >= self.limit:
+            ev_ids.clear()
+            self.memo.clear()
+        evid = ev_ids[evs] = len(ev_ids)
+        return evid
+
+    def feed(self, mid: int, evs: tuple, mk: int) -> Any:
+        """Feed ``evs`` to the monitor in state ``mid``; memoize the outcome
+        under ``mk``: the next mid, or (next mid, violations)."""
+        last = self._last
+        if last is None or last[0] != mid:
+            last = self._last = (mid, self.monitor(mid))
+        child = last[1].copy()
+        found: list[Violation] = []
+        for ev in evs:
+            found.extend(child.feed(ev))
+        nmid = self.intern(child.key())
+        hit = (nmid, tuple(found)) if found else nmid
+        if len(self.memo) >= self.limit:
+            self.memo.clear()
+        self.memo[mk] = hit
+        return hit
+
+    def rename(self, mid: int, ren: Any) -> int:
+        """The mid of verdict state ``mid`` under a renaming (a
+        :class:`Renaming` or a ``(names, blocks)`` pair), cached."""
+        rkey = ren.key() if isinstance(ren, Renaming) else ren
+        rid = self.ren_ids.get(rkey)
+        if rid is None:
+            rid = self.ren_ids[rkey] = len(self.ren_ids)
+        rk = mid | (rid << 32)
+        rmid = self.renamed.get(rk)
+        if rmid is None:
+            r = ren if isinstance(ren, Renaming) else Renaming(*ren)
+            rmid = self.renamed[rk] = self.intern(Monitor.renamed_key(self.keys[mid], r.names, r.blocks))
+        return rmid
+
+
+def _symmetry_hooks(model: Any, symmetry: bool) -> tuple[str, Any, Any, Any]:
+    """(mode, canonical_product, symmetry, canonical): the hooks the model
+    offers, the preferred one first, and the mode they make."""
+
+    def hook(name: str) -> Any:
+        f = getattr(model, name, None) if symmetry else None
+        return f if callable(f) else None
+
+    product, renaming, canonical = hook("canonical_product"), hook("symmetry"), hook("canonical")
+    if not symmetry:
+        mode = "off"
+    elif product is not None:
+        mode = "product"
+    elif renaming is not None:
+        mode = "renaming"
+    elif canonical is not None:
+        mode = "state-only"
+    else:
+        mode = "none offered"
+    return mode, product, renaming, canonical
+
+
+def _key_functions(
+    hooks: tuple[str, Any, Any, Any], mons: _MonitorStates, scls: type, interner: _Interner | None
+) -> tuple[Callable, Callable, Callable]:
+    """(flat_key, entry_of, product_key) for the hooks of :func:`_symmetry_hooks`: ``flat_key(state,
+    mid)`` is the stored form of a concrete product state, ``entry_of`` the
+    same with its parts interned (a frontier entry), ``product_key(state,
+    mid)`` its search key under the model's symmetry hooks."""
+    _, canonical_product, sym_hook, canonical = hooks
+    mkeys, rename, ikey = mons.keys, mons.rename, interner and interner.key
+    flat_types: dict[type, bool] = {}
+    canon_flat: dict[type, bool] = {}
+
+    def flat_key(state: Any, mid: int) -> Hashable:
+        """The stored form of (state, mid): flat when the state's type allows."""
+        cls = type(state)
+        ok = flat_types.get(cls)
+        if ok is None:
+            ok = flat_types[cls] = _flat_type(cls) and cls is scls
+        if ok:
+            return tuple(state) + (mid, _PAIR)
+        return state if mid == 0 else (_PAIR, state, mid)
+
+    def entry_of(state: Any, mid: int) -> Hashable:
+        cls = type(state)
+        ok = flat_types.get(cls)
+        if ok is None:
+            ok = flat_types[cls] = _flat_type(cls) and cls is scls
+        if ok:
+            return ikey(tuple(state) + (mid, _PAIR)) if ikey else tuple(state) + (mid, _PAIR)
+        return state if mid == 0 else (_PAIR, state, mid)
+
+    def product_key(state: Any, mid: int) -> Hashable:
+        if canonical_product is not None:
+            return canonical_product(state, mkeys[mid])
+        if sym_hook is not None:
+            cstate, ren = sym_hook(state)
+            return canon_key(cstate, mid if mid == 0 or ren is None else rename(mid, ren))
+        if canonical is not None:
+            state = canonical(state)
+        return canon_key(state, mid)
+
+    def canon_key(cstate: Any, mid: int) -> Hashable:
+        # a canonical state may be of another type than the model's states
+        cls = type(cstate)
+        ok = canon_flat.get(cls)
+        if ok is None:
+            ok = canon_flat[cls] = _flat_type(cls)
+        if ok:
+            return tuple(cstate) + (mid, _PAIR)
+        return cstate if mid == 0 else (_PAIR, cstate, mid)
+
+    return flat_key, entry_of, product_key
+
+
+class _Search:
+    """One search: set up by ``__init__``, run by :meth:`run`."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        header: HistoryHeader,
+        template: Monitor | None,
+        max_states: int | None,
+        symmetry: bool,
+        fingerprint: bool,
+        progress: Callable[[dict[str, Any]], None] | None,
+        progress_interval: float,
+        keep_graph: bool,
+        graph_limit: int,
+        stop_on_first: bool,
+        check_deadlock: bool,
+        freeze_gc: bool,
+        intern: bool,
+        backend: Callable[[], Any] | None,
+    ) -> None:
+        self.model, self.header, self.template, self.backend = model, header, template, backend
+        self.progress, self.progress_interval = progress, progress_interval
+        self.stop_on_first, self.check_deadlock, self.freeze_gc = stop_on_first, check_deadlock, freeze_gc
+        self.fingerprint, self.keep_graph, self.graph_limit = fingerprint, keep_graph, graph_limit
+        self.limit = max_states if max_states is not None else -1
+        self.invariants = dict(getattr(model, "invariants", None) or {})
+        self.sometimes = dict(getattr(model, "sometimes", None) or {})
+        self.met: dict[str, None] = {}
+        self.unmet = dict(self.sometimes)
+        self.init_states = list(model.initial_states())
+        self.scls: type = type(self.init_states[0]) if self.init_states else tuple
+        self.mons = _MonitorStates(template)
+        hooks = _symmetry_hooks(model, symmetry)
+        self.sym_mode = hooks[0]
+        self.visited = _Visited(fingerprint, intern, self.sym_mode not in _CONCRETE)
+        self.flat_key, self.entry_of, self.product_key = _key_functions(
+            hooks, self.mons, self.scls, self.visited.interner)
+        self.parents = array("i")  # state index -> parent index (-1 for initial); widened past 2**31
+        self.via = array("H")  # state index -> action index in the parent (initial index); widened past 65535
+        self.index_of: dict | None = {} if keep_graph else None
+        self.edges: list[tuple[int, int, str]] = []
+        self.graph_ok = keep_graph
+        self.found_ids: set[str] = set()
+        self.pending: list[tuple[str, str, int, str]] = []  # (kind, invariant, state index, message)
+        # A frontier entry is a flat tuple ``fields + (mid, _PAIR)`` (with
+        # interned fields: in the plain search it is the stored key itself), a
+        # ``(_PAIR, state, mid)`` triple, or a bare state with mid 0.
+        self.frontier: deque = deque()
+        self.bfront: deque | None = deque() if backend is not None else None  # data backends of the frontier
+        self.peak_frontier = self.transitions = self.depth = 0
+        self.stopped = self.truncated = False
+        self.t0 = self.next_report = self.seconds = 0.0
+
+    # -- running -------------------------------------------------------------
+
+    def run(self) -> ExploreResult:
+        gc_was = gc.isenabled()
+        if self.freeze_gc:
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+        self.t0 = time.perf_counter()
+        self.next_report = self.t0 + self.progress_interval
+        try:
+            if not self._seed():
+                self._loop()
+            self.seconds = time.perf_counter() - self.t0
+        finally:
+            if self.freeze_gc:
+                gc.unfreeze()
+                if gc_was:
+                    gc.enable()
+        return self._result()
+
+    def _seed(self) -> bool:
+        """Add the initial states; True when the search is already over."""
+        concrete = self.sym_mode in _CONCRETE
+        for i, state in enumerate(self.init_states):
+            key = self.visited.add(self.flat_key(state, 0) if concrete else self.product_key(state, 0))
+            if key is None:
+                continue
+            idx = len(self.parents)
+            self.parents.append(-1)
+            self.via.append(i)
+            if self.index_of is not None:
+                self.index_of[key] = idx
+            self.frontier.append(self.entry_of(state, 0))
+            if self.bfront is not None:
+                b0 = self.backend()  # type: ignore[misc]
+                b0.line = 1  # the header is line 1 of a written history
+                self.bfront.append(b0)
+            if self._check_state(state, idx):
+                self.stopped = True
+                return True
+            if idx + 1 == self.limit:
+                self.truncated = self.stopped = True
+                return True
+        return False
+
+    def _states(self) -> Iterator[tuple[int, Any, int, Any, list]]:
+        """The level loop: yield ``(index, state, mid, data backend, actions)``
+        for each frontier state, in BFS order, that enables something; handle
+        the quiet ones (the search stops when one ends it)."""
+        frontier, bfront, actions_of, scls = self.frontier, self.bfront, self.model.actions, self.scls
+        scls_is_tuple, tnew = scls is tuple, tuple.__new__
+        level_end, expanded = len(self.parents), 0
+        while frontier:
+            if expanded == level_end:
+                self.depth += 1
+                level_end = len(self.parents)
+                self.peak_frontier = max(self.peak_frontier, len(frontier))
+            entry = frontier.popleft()
+            pb = bfront.popleft() if bfront is not None else None
+            if type(entry) is tuple and entry and entry[-1] is _PAIR:
+                mid = entry[-2]
+                state = entry[:-2] if scls_is_tuple else tnew(scls, entry[:-2])
+            else:
+                state, mid = _unpack(entry, scls)
+            pidx = expanded
+            expanded += 1
+            acts = actions_of(state)
+            if acts:
+                yield pidx, state, mid, pb, acts
+            elif self._quiet(pidx, mid, pb):
+                self.stopped = True
+                return
+
+    def _loop(self) -> None:
+        """Successor handling: every transition of every state :meth:`_states`
+        yields, inline (see the module doc)."""
+        frontier, parents, via, limit, progress = self.frontier, self.parents, self.via, self.limit, self.progress
+        mons, visited, graph_ok = self.mons, self.visited, self.graph_ok
+        template, memo, ev_ids, events_id, feed = mons.template, mons.memo, mons.ev_ids, mons.events_id, mons.feed
+        fpset, keys, kkey = visited.fpset, visited.keys, visited.kinterner and visited.kinterner.key
+        fp_table, fp_mask = (fpset.table, fpset.mask) if fpset is not None else (None, 0)
+        flat_key, product_key, entry_of, fast_key = self.flat_key, self.product_key, self.entry_of, self.sym_mode in _CONCRETE
+        fast_flat, scls, stored_entry = fast_key and _flat_type(self.scls), self.scls, fast_key and fpset is None
+        step, check_state, checks = self.model.step, self._check_state, bool(self.invariants or self.unmet)
+        transitions = self.transitions
+        for pidx, state, mid, pb, acts in self._states():
+            for ai, act in enumerate(acts):
+                nstate, events = step(state, act)
+                transitions += 1
+                if events and template is not None:
+                    evs = events if type(events) is tuple else tuple(events)
+                    evid = ev_ids.get(evs)
+                    hit = memo.get(mk := mid | ((events_id(evs) if evid is None else evid) << 32))
+                    if hit is None:
+                        hit = feed(mid, evs, mk)
+                    nmid, bad = (hit, ()) if type(hit) is int else hit
+                else:
+                    nmid, bad = mid, ()
+                if fast_flat and type(nstate) is scls:
+                    key = nstate + (nmid, _PAIR)  # a plain tuple, also for a named tuple
+                else:
+                    key = flat_key(nstate, nmid) if fast_key else product_key(nstate, nmid)
+                if bad:  # the transition is bad, not only the state (which can equal a clean one
+                    key = (_BAD, key, bad[0].invariant)  # seen before): keep the shortest bad path
+                if fp_table is not None:
+                    i = (fp := hash(key) or 1) & fp_mask
+                    while (v := fp_table[i]) and v != fp:
+                        i = (i + 1) & fp_mask
+                    if v:
+                        continue
+                    fp_table[i] = fp
+                    fpset.n += 1  # type: ignore[union-attr]
+                    if fpset.n > fpset.limit:  # type: ignore[union-attr]
+                        fp_table, fp_mask = fpset.grow()  # type: ignore[union-attr]
+                elif key in keys:  # type: ignore[operator]
+                    if graph_ok:
+                        self.edges.append((pidx, self.index_of[key], str(act)))  # type: ignore[index]
+                    continue
+                else:
+                    if kkey and type(key) is tuple and key and key[-1] is _PAIR:
+                        key = kkey(key)
+                    keys.add(key)  # type: ignore[union-attr]
+                nidx = len(parents)
+                try:
+                    parents.append(pidx)
+                    via.append(ai)
+                except OverflowError:
+                    parents, via = self._widen(nidx, pidx, ai)
+                if graph_ok:
+                    graph_ok = self._new_edge(key, pidx, nidx, act)
+                if (bad or pb is not None) and (stop := self._judge(nidx, bad, pb, events)) is not None:
+                    if stop:
+                        break
+                    continue  # a violating or corrupting state is not expanded
+                if checks and check_state(nstate, nidx):
+                    break
+                if stored_entry and type(key) is tuple and key[-1] is _PAIR:
+                    frontier.append(key)  # the stored key: fields already interned
+                else:
+                    frontier.append(entry_of(nstate, nmid))
+                if nidx + 1 == limit:
+                    self.truncated = True
+                    break
+            else:
+                if progress is not None and (pidx + 1) & 255 == 0:
+                    self._tick(transitions)
+                continue
+            self.stopped = True
+            break
+        self.transitions, self.graph_ok = transitions, graph_ok
+
+    # -- the rare cases of the loop ------------------------------------------
+
+    def _widen(self, nidx: int, pidx: int, ai: int) -> tuple[array, array]:
+        """Store the links of state ``nidx`` in wider arrays (an index outgrew
+        the item type)."""
+        if len(self.parents) == nidx:
+            try:
+                self.parents.append(pidx)
+            except OverflowError:
+                self.parents = array("q", self.parents)
+                self.parents.append(pidx)
+        if len(self.via) == nidx:
+            try:
+                self.via.append(ai)
+            except OverflowError:
+                self.via = array("l", self.via)
+                self.via.append(ai)
+        return self.parents, self.via
+
+    def _new_edge(self, key: Hashable, pidx: int, nidx: int, act: Any) -> bool:
+        """Record a new state in the graph; False once the graph is too big."""
+        self.index_of[key] = nidx  # type: ignore[index]
+        self.edges.append((pidx, nidx, str(act)))
+        return nidx < self.graph_limit
+
+    def _quiet(self, pidx: int, mid: int, pb: Any) -> bool:
+        """A state that enables nothing: the end of its history.  True when
+        the search should stop."""
+        if self.check_deadlock and self.template is not None:
+            ends = self.mons.monitor(mid).end_violations()
+            if ends and self._record("deadlock", ends[0].invariant, pidx, ends[0].message):
+                return True
+        if pb is not None:
+            found = pb.finish()
+            if found and self._record("violation", found[0].invariant, pidx, found[0].message):
+                return True
+        return False
+
+    def _judge(self, nidx: int, bad: tuple[Violation, ...], pb: Any, events: Any) -> bool | None:
+        """A new state ``nidx`` that the monitor rejects (``bad``) or that has
+        a data backend ``pb`` to run the events on: True ends the search,
+        False leaves the state unexpanded, None expands it (its backend
+        queued)."""
+        if bad:
+            stop = self._record("violation", bad[0].invariant, nidx, bad[0].message)
+            if pb is not None:
+                _, found = _run_backend(pb, events, True)
+                if found and self._record("violation", found[0].invariant, nidx, found[0].message):
+                    stop = True
+            return stop
+        cb, found = _run_backend(pb, events, False)
+        if found:
+            return self._record("violation", found[0].invariant, nidx, found[0].message)
+        self.bfront.append(cb)  # type: ignore[union-attr]
+        return None
+
+    def _record(self, kind: str, inv: str, idx: int, message: str) -> bool:
+        """Remember a finding at state ``idx``; True when the search should stop."""
+        if inv not in self.found_ids:
+            self.found_ids.add(inv)
+            self.pending.append((kind, inv, idx, message))
+        return self.stop_on_first
+
+    def _check_state(self, state: Any, idx: int) -> bool:
+        unmet = self.unmet
+        if unmet:
+            for name in [n for n, p in unmet.items() if p(state)]:
+                del unmet[name]
+                self.met[name] = None
+        if self.invariants:
+            for name, pred in self.invariants.items():
+                if not pred(state) and self._record("state-invariant", name, idx, f"state invariant {name!r} fails"):
+                    return True
+        return False
+
+    def _tick(self, transitions: int) -> None:
+        now = time.perf_counter()
+        if now >= self.next_report:
+            self.next_report = now + self.progress_interval
+            self.progress({  # type: ignore[misc]
+                "states": len(self.parents),
+                "transitions": transitions,
+                "depth": self.depth,
+                "queue": len(self.frontier),
+                "seconds": now - self.t0,
+                "violations": len(self.pending),
+            })
+
+    # -- the result ----------------------------------------------------------
+
+    def _result(self) -> ExploreResult:
+        parents, model = self.parents, self.model
+        n = len(parents)
+        depth_reached = len(_path(parents, self.via, n - 1)[1]) if n else 0
+        if self.progress is not None:
+            self.progress({
+                "states": n, "transitions": self.transitions, "depth": depth_reached, "queue": len(self.frontier),
+                "seconds": self.seconds, "violations": len(self.pending), "done": True,
+            })
+        self.peak_frontier = max(self.peak_frontier, len(self.frontier))
+        self.frontier.clear()
+        if self.bfront is not None:
+            self.bfront.clear()
+        found: dict[str, list[Counterexample]] = {"violation": [], "deadlock": [], "state-invariant": []}
+        for kind, inv, idx, message in self.pending:
+            found[kind].append(_counterexample(
+                model, self.header, self.template, parents, self.via, idx, kind, inv, message, self.backend))
+        memory: dict[str, int] = {"links": parents.itemsize * n + self.via.itemsize * len(self.via)}
+        coll = self.visited.account(memory, n)
+        bps = sum(memory.values()) / n if n else None
+        memory["peak_frontier_entries"] = self.peak_frontier
+        memory["monitor_states"] = len(self.mons.keys)
+        memory["memo_entries"] = len(self.mons.memo)
+        graph = None
+        if self.keep_graph and self.graph_ok:
+            graph = _build_graph(model.name if hasattr(model, "name") else "model", n, self.edges, parents)
+        sometimes = self.sometimes
+        return ExploreResult(
+            model=getattr(model, "name", type(model).__name__), states=n, transitions=self.transitions,
+            depth=depth_reached, seconds=self.seconds, violations=tuple(found["violation"]),
+            deadlocks=tuple(found["deadlock"]), invariant_failures=tuple(found["state-invariant"]),
+            unmet_sometimes=tuple(self.unmet), met_sometimes=tuple(s for s in sometimes if s in self.met),
+            complete=not self.stopped, truncated=self.truncated, symmetry=self.sym_mode,
+            fingerprint=self.fingerprint, bytes_per_state=bps, collision_probability=coll,
+            monitor_states=len(self.mons.keys), graph=graph, header=self.header, memory=memory,
+        )
+
+
+def _run_backend(parent: Any, events: Any, finish: bool) -> tuple[Any, list]:
+    """A copy of data backend ``parent`` with ``events`` applied (and the
+    history finished, when ``finish`` and nothing showed): (backend, findings)."""
+    b = parent.copy()
+    found: list = []
+    for ev in events:
+        found.extend(b.apply(ev))
+    if finish and not found:
+        found.extend(b.finish())
+    return b, found
