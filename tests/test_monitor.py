@@ -470,6 +470,9 @@ def test_renaming_the_state_is_feeding_renamed_events():
     assert c.feed(rename_event(later, _NAMES, _BLOCKS)) == b.feed(rename_event(later, _NAMES, _BLOCKS))
     assert c.finish() == b.finish() != []
     assert a.key() != c.key()  # a is unchanged
+    # declared pools follow their workers
+    pools = Monitor(workers=WORKERS).renamed(_NAMES, _BLOCKS)
+    assert pools.workers == {"P1": WORKERS["P0"], "D7": WORKERS["D0"]}
 
 
 def test_from_key_and_with_key():

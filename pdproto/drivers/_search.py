@@ -26,7 +26,7 @@ from ..spec._monitor import Monitor, Violation
 from ..protocol._model import Renaming
 from ._results import Counterexample, ExploreResult
 from ._traces import _build_graph, _counterexample, _path
-from ._visited import _BAD, _PAIR, _flat_type, _Interner, _unpack, _Visited
+from ._visited import _BAD, _PAIR, _flat_type, _unpack, _Visited
 
 
 #: symmetry modes in which a state's search key is its flat stored form
@@ -132,35 +132,25 @@ def _symmetry_hooks(model: Any, symmetry: bool) -> tuple[str, Any, Any, Any]:
     return mode, product, renaming, canonical
 
 
-def _key_functions(
-    hooks: tuple[str, Any, Any, Any], mons: _MonitorStates, scls: type, interner: _Interner | None
-) -> tuple[Callable, Callable, Callable]:
-    """(flat_key, entry_of, product_key) for the hooks of :func:`_symmetry_hooks`: ``flat_key(state,
-    mid)`` is the stored form of a concrete product state, ``entry_of`` the
-    same with its parts interned (a frontier entry), ``product_key(state,
-    mid)`` its search key under the model's symmetry hooks."""
+def _key_functions(hooks: tuple[str, Any, Any, Any], mons: _MonitorStates, scls: type) -> tuple[Callable, Callable]:
+    """(flat_key, product_key) for the hooks of :func:`_symmetry_hooks`:
+    ``flat_key(state, mid)`` is the stored form of a concrete product state
+    (a frontier entry), ``product_key(state, mid)`` its search key under the
+    model's symmetry hooks."""
     _, canonical_product, sym_hook, canonical = hooks
-    mkeys, rename, ikey = mons.keys, mons.rename, interner and interner.key
+    mkeys, rename = mons.keys, mons.rename
     flat_types: dict[type, bool] = {}
     canon_flat: dict[type, bool] = {}
 
-    def flat_key(state: Any, mid: int) -> Hashable:
-        """The stored form of (state, mid): flat when the state's type allows."""
+    def flat_key(state: Any, mid: int, intern: Callable | None = None) -> Hashable:
+        """The stored form of (state, mid): flat when the state's type allows,
+        then with its parts interned by ``intern`` when given."""
         cls = type(state)
         ok = flat_types.get(cls)
         if ok is None:
             ok = flat_types[cls] = _flat_type(cls) and cls is scls
         if ok:
-            return tuple(state) + (mid, _PAIR)
-        return state if mid == 0 else (_PAIR, state, mid)
-
-    def entry_of(state: Any, mid: int) -> Hashable:
-        cls = type(state)
-        ok = flat_types.get(cls)
-        if ok is None:
-            ok = flat_types[cls] = _flat_type(cls) and cls is scls
-        if ok:
-            return ikey(tuple(state) + (mid, _PAIR)) if ikey else tuple(state) + (mid, _PAIR)
+            return tuple(state) + (mid, _PAIR) if intern is None else intern(tuple(state) + (mid, _PAIR))
         return state if mid == 0 else (_PAIR, state, mid)
 
     def product_key(state: Any, mid: int) -> Hashable:
@@ -183,7 +173,7 @@ def _key_functions(
             return tuple(cstate) + (mid, _PAIR)
         return cstate if mid == 0 else (_PAIR, cstate, mid)
 
-    return flat_key, entry_of, product_key
+    return flat_key, product_key
 
 
 class _Search:
@@ -223,8 +213,8 @@ class _Search:
         hooks = _symmetry_hooks(model, symmetry)
         self.sym_mode = hooks[0]
         self.visited = _Visited(fingerprint, intern, self.sym_mode not in _CONCRETE)
-        self.flat_key, self.entry_of, self.product_key = _key_functions(
-            hooks, self.mons, self.scls, self.visited.interner)
+        self.flat_key, self.product_key = _key_functions(hooks, self.mons, self.scls)
+        self.ikey = self.visited.interner.key if self.visited.interner is not None else None
         self.parents = array("i")  # state index -> parent index (-1 for initial); widened past 2**31
         self.via = array("H")  # state index -> action index in the parent (initial index); widened past 65535
         self.index_of: dict | None = {} if keep_graph else None
@@ -274,7 +264,7 @@ class _Search:
             self.via.append(i)
             if self.index_of is not None:
                 self.index_of[key] = idx
-            self.frontier.append(self.entry_of(state, 0))
+            self.frontier.append(self.flat_key(state, 0, self.ikey))
             if self.bfront is not None:
                 b0 = self.backend()  # type: ignore[misc]
                 b0.line = 1  # the header is line 1 of a written history
@@ -323,7 +313,7 @@ class _Search:
         template, memo, ev_ids, events_id, feed = mons.template, mons.memo, mons.ev_ids, mons.events_id, mons.feed
         fpset, keys, kkey = visited.fpset, visited.keys, visited.kinterner and visited.kinterner.key
         fp_table, fp_mask = (fpset.table, fpset.mask) if fpset is not None else (None, 0)
-        flat_key, product_key, entry_of, fast_key = self.flat_key, self.product_key, self.entry_of, self.sym_mode in _CONCRETE
+        flat_key, product_key, ikey, fast_key = self.flat_key, self.product_key, self.ikey, self.sym_mode in _CONCRETE
         fast_flat, scls, stored_entry = fast_key and _flat_type(self.scls), self.scls, fast_key and fpset is None
         step, check_state, checks = self.model.step, self._check_state, bool(self.invariants or self.unmet)
         transitions = self.transitions
@@ -381,7 +371,7 @@ class _Search:
                 if stored_entry and type(key) is tuple and key[-1] is _PAIR:
                     frontier.append(key)  # the stored key: fields already interned
                 else:
-                    frontier.append(entry_of(nstate, nmid))
+                    frontier.append(flat_key(nstate, nmid, ikey))
                 if nidx + 1 == limit:
                     self.truncated = True
                     break
@@ -398,18 +388,8 @@ class _Search:
     def _widen(self, nidx: int, pidx: int, ai: int) -> tuple[array, array]:
         """Store the links of state ``nidx`` in wider arrays (an index outgrew
         the item type)."""
-        if len(self.parents) == nidx:
-            try:
-                self.parents.append(pidx)
-            except OverflowError:
-                self.parents = array("q", self.parents)
-                self.parents.append(pidx)
-        if len(self.via) == nidx:
-            try:
-                self.via.append(ai)
-            except OverflowError:
-                self.via = array("l", self.via)
-                self.via.append(ai)
+        self.parents = _append_wide(self.parents, nidx, pidx, "q")
+        self.via = _append_wide(self.via, nidx, ai, "l")
         return self.parents, self.via
 
     def _new_edge(self, key: Hashable, pidx: int, nidx: int, act: Any) -> bool:
@@ -531,3 +511,15 @@ def _run_backend(parent: Any, events: Any, finish: bool) -> tuple[Any, list]:
     if finish and not found:
         found.extend(b.finish())
     return b, found
+
+
+def _append_wide(items: array, n: int, value: int, wider: str) -> array:
+    """``items`` with ``value`` as its item ``n`` (unless it is there), in an
+    array of type ``wider`` when it does not fit."""
+    if len(items) == n:
+        try:
+            items.append(value)
+        except OverflowError:
+            items = array(wider, items)
+            items.append(value)
+    return items

@@ -403,10 +403,13 @@ class Monitor:
     def renamed(self, names: Any, blocks: Mapping[tuple[str, int], int] | None = None) -> "Monitor":
         """An independent monitor in this one's state with ids renamed (the
         arguments as for :meth:`renamed_key`): the monitor of the renamed
-        history, witness lines included, with no violations yet."""
+        history (its declared pools and witness lines included), with no
+        violations yet."""
         names, blocks = _mappings(names, blocks)
         new = self.with_key(self.renamed_key(self.key(), names, blocks))
         f = _rename_functions(names, blocks)
+        if self.workers is not None:
+            new.workers = {f["id"](w): spec for w, spec in self.workers.items()}
         tags = self._LINE_TAGS
         new._lines = {(tag, f[tags[tag]](x)): line for (tag, x), line in self._lines.items()}
         return new
