@@ -106,10 +106,14 @@ def audit_in_child(path: str, orjson: bool = True) -> dict:
         "import json, sys, time\n"
         + ("" if orjson else "sys.modules['orjson'] = None  # the standard library's json only\n")
         + 
-        "from pdproto._cli._audit import audit\n"
+        "try:\n"
+        "    from pdproto.drivers._audit import audit  # the library driver\n"
+        "except ImportError:  # before the drivers moved out of the CLI\n"
+        "    from pdproto._cli._audit import audit\n"
         "t = time.perf_counter()\n"
-        f"m, _ = audit({path!r})\n"
+        f"r = audit({path!r})\n"
         "s = time.perf_counter() - t\n"
+        "m = r[0] if isinstance(r, tuple) else r\n"
         "print(json.dumps({'seconds': s, 'events': m.events, 'violations': len(m.violations)}))\n"
     )
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss

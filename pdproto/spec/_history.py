@@ -345,22 +345,23 @@ class HistoryReader:
         workers = self.header.workers
         worker_fields = WORKER_FIELDS
         line = self.line
+        events = self.events
         try:
             for raw in self._lines:
                 line += 1
                 event = None
                 if fast_loads is not None:
+                    # Anything unusual (not JSON, not an object, no or an
+                    # unknown "ev", a field off) raises or gives None here and
+                    # takes the careful path, which accepts the same lines and
+                    # names errors.  A colon per key, else perhaps a key given
+                    # twice, which the careful path checks exactly.
                     try:
                         obj = fast_loads(raw)
+                        if raw.count(b":") == len(obj):
+                            event = parsers[obj["ev"]](obj)
                     except Exception:
-                        obj = None
-                    # a colon per key: else perhaps a key given twice, which
-                    # the careful path checks exactly
-                    if type(obj) is dict and raw.count(b":") == len(obj):
-                        ev = obj.get("ev")
-                        parser = parsers.get(ev) if type(ev) is str else None
-                        if parser is not None:
-                            event = parser(obj)
+                        pass
                 if event is None:
                     self.line = line
                     obj = self._decode(raw)
@@ -372,13 +373,15 @@ class HistoryReader:
                         w = getattr(event, field)
                         if w is not None and w not in workers:
                             self._check_workers(event, line)
-                self.events += 1
-                self.line = line
+                events += 1
                 yield line, event
         except (_TooLong, OSError) as exc:
             raise self._read_error(exc, line + 1) from None
         finally:
+            # kept in locals while reading; ``line`` and ``events`` are
+            # exact again once the loop stops (the end, an error, a break)
             self.line = line
+            self.events = events
 
 
 _BLANK = object()
