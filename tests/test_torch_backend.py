@@ -547,3 +547,65 @@ def test_random_walks_of_the_reference_model_replay_clean(mode, seed):
     found += monitor.finish() + backend.finish()
     assert found == []
     assert any(e.EV == "transfer_start" for e in h.events)  # KV did move
+
+
+# -- memory: computed before allocating, refused over max_memory -------------
+
+
+def test_memory_counts_every_pool_and_grows_within_the_limit():
+    from pdproto._errors import LimitError
+    from pdproto.backends._torch import TorchBackend
+
+    header = HistoryHeader(workers={"P0": WorkerSpec("prefill", 8), "D0": WorkerSpec("decode", 8)})
+    b = TorchBackend(header, tp=(2, 1))
+    b.apply(PrefillStart("r", 0, "P0", (0,)), 1)
+    b.apply(Alloc("r", 0, "D0", (0,)), 2)
+    pools = sum(t.numel() * t.element_size() for w in ("P0", "D0") for t in b._workers[w].pools)
+    assert b.memory - b._fixed_bytes() == pools
+    per = b.block_bytes("decode")
+    # doubling 8 -> 16 blocks would pass the limit; growing to exactly what the event needs does not
+    limit = b.memory + 2 * per
+    b.max_memory = limit
+    b.apply(Alloc("r", 0, "D0", (9,)), 3)
+    assert b._workers["D0"].nblocks == 10 and b.memory <= limit
+    with pytest.raises(LimitError) as info:
+        b.apply(Alloc("r", 0, "D0", (11,)), 4)
+    assert info.value.line == 4 and info.value.limit == limit
+    assert b._workers["D0"].nblocks == 10  # nothing changed
+
+
+def test_sizes_are_checked_before_anything_is_allocated():
+    from pdproto._errors import LimitError
+    from pdproto.backends._torch import DEFAULT_MAX_MEMORY, TorchBackend
+
+    header = HistoryHeader(workers={"P0": WorkerSpec("prefill", 10**400)})
+    with pytest.raises(LimitError) as info:
+        TorchBackend(header)
+    assert info.value.limit == DEFAULT_MAX_MEMORY and "P0" in str(info.value)
+    with pytest.raises(LimitError):
+        TorchBackend(tp="400000000:1")
+    TorchBackend(layers=64, max_memory=None)  # no limit
+
+
+def test_positions_past_the_table_are_reported_not_allocated():
+    from pdproto.backends._torch import TorchBackend
+
+    b = TorchBackend(max_memory=64 << 20)
+    b.apply(Submit("r", 0, 10**400), 1)
+    b.apply(PrefillStart("r", 0, "P0", (0,)), 2)
+    b.apply(PrefillDone("r", 0, "P0", first_token=1, processed_len=10**400), 3)
+    b.apply(Alloc("r", 0, "D0", (0,)), 4)
+    found = b.apply(Decode("r", 0, "D0", 10**12, 1, 2, (0,)), 5)
+    assert [v.invariant for v in found] == ["kv-corruption"]
+    assert "covers positions [0, 4) only" in found[0].message
+
+
+def test_torch_dtypes_and_tp_in_ascii_digits():
+    from pdproto._errors import UsageError
+    from pdproto.backends._torch import TORCH_DTYPES, parse_tp
+
+    assert TORCH_DTYPES["bfloat16"] is torch.bfloat16
+    assert parse_tp("2:1") == (2, 1)
+    for text in ("\u00b2:1", "1:\u0663", "1", "0:1", "1:2:3"):
+        with pytest.raises(UsageError):
+            parse_tp(text)
