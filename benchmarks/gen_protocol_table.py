@@ -1,5 +1,5 @@
-"""Print the reference protocol's transition tables (Markdown), generated
-from the action handlers of pdproto/_reference.py.  docs/protocol.md embeds
+"""Print the reference protocol's transition tables (Markdown), rendered from
+its rule tables (pdproto/protocol/_push_pull.py).  docs/protocol.md embeds
 this output between the GENERATED markers; tests/test_reference.py checks
 that the two agree.  Run: ``python benchmarks/gen_protocol_table.py``."""
 
@@ -9,10 +9,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pdproto.protocol._reference import transition_table_markdown  # noqa: E402
+from pdproto.spec._history import POLICIES  # noqa: E402
 
 if __name__ == "__main__":
-    for mode in ("push", "pull"):
-        print(f"<!-- BEGIN GENERATED TABLE {mode} -->")
-        print(transition_table_markdown(mode), end="")
-        print(f"<!-- END GENERATED TABLE {mode} -->")
+    for policy in POLICIES:
+        print(f"<!-- BEGIN GENERATED TABLE {policy} -->")
+        print(transition_table_markdown(policy), end="")
+        print(f"<!-- END GENERATED TABLE {policy} -->")
         print()

@@ -5,19 +5,20 @@ the request no longer reaches the decode side's block manager, so the
 request's KV blocks are never freed.  Caught at a quiet state as ``leak``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
 
 EXPECTED = "leak"
-DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"cancel": 1})
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"cancel": 1})
+
+
+def d_frees_target(m, s, r, q, xi):
+    # BUG: a cancel of a committed generation never reaches D's block manager
+    return xi < 0 and not (q.ph is Phase.COMMITTED and q.end is End.CANCELLED)
 
 
 class AbortIgnoredAfterHandoff(HandoffModel):
     name = "abort_ignored_after_handoff"
-
-    def _can_d_free(self, s, r, q, xi):
-        # BUG: a cancel of a committed generation is dropped
-        return xi < 0 and not (q.ph == "C" and q.end == "c")
+    rules = REFERENCE.replace("free_target", guard=d_frees_target)
 
 
 def build(config: ModelConfig) -> HandoffModel:

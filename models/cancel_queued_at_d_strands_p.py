@@ -6,19 +6,20 @@ prefill side, which keeps the request's KV blocks forever.  Caught at a quiet
 state as ``leak``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
 
 EXPECTED = "leak"
-DEFAULT_CONFIG = ModelConfig(mode="pull", requests=2, blocks=1, faults={"cancel": 1})
+DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=1, faults={"cancel": 1})
+
+
+def p_frees_source(m, s, r, q, xi):
+    # BUG: a generation cancelled in D's queue never reaches P
+    return xi < 0 and not (q.ph is Phase.WAITING and q.end is End.CANCELLED)
 
 
 class CancelQueuedAtDStrandsP(HandoffModel):
     name = "cancel_queued_at_d_strands_p"
-
-    def _can_p_free(self, s, r, q, xi):
-        # BUG: a generation cancelled in D's queue never reaches P
-        return xi < 0 and not (q.ph == "W" and q.end == "c")
+    rules = REFERENCE.replace("free_source", guard=p_frees_source)
 
 
 def build(config: ModelConfig) -> HandoffModel:

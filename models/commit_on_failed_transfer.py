@@ -7,21 +7,22 @@ generation when the data plane fails the transfer.  Caught as
 ``commit-before-ready``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE, XferState
 
 EXPECTED = "commit-before-ready"
-DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"transfer_fail": 1})
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"transfer_fail": 1})
+
+
+def handle_failure(m, s, x, q, ev):
+    if q.end is not End.LIVE:
+        return REFERENCE["push"].on_xfer_failed.effect(m, s, x, q, ev)
+    # BUG: the failure handler is the success handler
+    return m.table.on_xfer_done.effect(m, s, x, q._replace(xs=XferState.DONE), ev)
 
 
 class CommitOnFailedTransfer(HandoffModel):
     name = "commit_on_failed_transfer"
-
-    def _on_xfer_failed(self, s, x, q, ev):
-        if q.end == "":
-            # BUG: the failure handler is the success handler
-            return self._on_xfer_done(s, x, q._replace(xs=2), ev)
-        return super()._on_xfer_failed(s, x, q, ev)
+    rules = REFERENCE.replace("on_xfer_failed", effect=handle_failure)
 
 
 def build(config: ModelConfig) -> HandoffModel:

@@ -8,19 +8,19 @@ transfer and frees the target only once the data plane says it ended.
 Caught as ``early-target-reuse``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
 
 EXPECTED = "early-target-reuse"
-DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"cancel": 1})
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"cancel": 1})
+
+
+def d_frees_target(m, s, r, q, xi):
+    return True  # BUG: does not wait for the write in flight
 
 
 class DFreesTargetOnAbort(HandoffModel):
     name = "d_frees_target_on_abort"
-
-    def _can_d_free(self, s, r, q, xi):
-        # BUG: does not wait for the write in flight
-        return True
+    rules = REFERENCE.replace("free_target", guard=d_frees_target)
 
 
 def build(config: ModelConfig) -> HandoffModel:

@@ -6,19 +6,20 @@ request aborted before its transfer started (or whose transfer failed) never
 gets one, so the blocks leak.  Caught at a quiet state as ``leak``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE, XferState
 
 EXPECTED = "leak"
-DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"cancel": 1})
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"cancel": 1})
+
+
+def d_frees_target(m, s, r, q, xi):
+    # BUG: only a successful completion (or a commit) releases the target
+    return xi < 0 and (q.xs is XferState.DONE or q.ph is Phase.COMMITTED)
 
 
 class DHoldsTargetOnAbort(HandoffModel):
     name = "d_holds_target_on_abort"
-
-    def _can_d_free(self, s, r, q, xi):
-        # BUG: only a successful completion (or a commit) releases the target
-        return xi < 0 and (q.xs == 2 or q.ph == "C")
+    rules = REFERENCE.replace("free_target", guard=d_frees_target)
 
 
 def build(config: ModelConfig) -> HandoffModel:

@@ -6,23 +6,24 @@ feeding the first token sampled by P at position prompt_len.  Caught as
 ``first-token-boundary``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
 
 EXPECTED = "first-token-boundary"
-DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1)
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
+
+
+LAST_PROMPT_TOKEN = 7
+
+
+def decode(m, s, r, q, ev):
+    # BUG: off by one at the boundary: step 0 re-feeds the last prompt token at prompt_len - 1
+    token = m.first_token(r, q.gen) + q.ndec if q.ndec else LAST_PROMPT_TOKEN
+    return m.decode_at(s, r, q, ev, m.prompt_len - 1 + q.ndec, token)
 
 
 class DecodeFromLastPromptToken(HandoffModel):
     name = "decode_from_last_prompt_token"
-
-    LAST_PROMPT_TOKEN = 7
-
-    def _decode_input(self, r, q):
-        if q.ndec == 0:
-            # BUG: off by one at the boundary
-            return self.prompt_len - 1, self.LAST_PROMPT_TOKEN
-        return self.prompt_len - 1 + q.ndec, self.first_token(r, q.gen) + q.ndec
+    rules = REFERENCE.replace("decode", effect=decode)
 
 
 def build(config: ModelConfig) -> HandoffModel:

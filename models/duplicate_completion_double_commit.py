@@ -6,21 +6,21 @@ request generation a second time.  The reference commits only from the
 awaiting phase.  Caught as ``double-commit``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE, XferState
 
 EXPECTED = "double-commit"
-DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"dup": 1})
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"dup": 1})
+
+
+def notify_awaited(m, s, msg, q):
+    # BUG: no "already committed" check (the reference commits only while awaiting the KV)
+    return (q.gen == msg.gen and q.end is End.LIVE and q.xs is XferState.DONE and bool(q.dst)
+            and q.dinc == s.inc[q.d] and msg.to == q.d)
 
 
 class DuplicateCompletionDoubleCommit(HandoffModel):
     name = "duplicate_completion_double_commit"
-
-    def _recv_notify(self, s, m, q, ev):
-        # BUG: no "already committed" check
-        if q.gen == m.gen and q.end == "" and q.xs == 2 and q.dst and q.dinc == s.inc[q.d] and m.to == q.d:
-            return self._commit(s, m.r, q, ev, self.ticket(m.r, q.gen))
-        return s
+    rules = REFERENCE.replace("recv_notify", guard=notify_awaited)
 
 
 def build(config: ModelConfig) -> HandoffModel:

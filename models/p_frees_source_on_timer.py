@@ -7,19 +7,21 @@ lease expire after D committed (the read is over); this mutant arms the timer
 as soon as the read starts.  Caught as ``early-source-free``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE
 
 EXPECTED = "early-source-free"
-DEFAULT_CONFIG = ModelConfig(mode="pull", requests=1, blocks=1, faults={"timeout": 1})
+DEFAULT_CONFIG = ModelConfig(policy="pull", requests=1, blocks=1, faults={"timeout": 1})
+
+
+def source_lease_over(m, s, r, q):
+    return bool(q.src)  # BUG: the timer ignores the read in flight
 
 
 class PFreesSourceOnTimer(HandoffModel):
     name = "p_frees_source_on_timer"
-
-    def _can_p_lease(self, s, r, q):
-        # BUG: the timer ignores the read in flight
-        return (not self.push) and q.ph in ("X", "C") and bool(q.src)
+    rules = REFERENCE.replace(
+        "p_lease", guard=source_lease_over, phases=(Phase.TRANSFERRING, Phase.COMMITTED)
+    )
 
 
 def build(config: ModelConfig) -> HandoffModel:

@@ -6,19 +6,15 @@ starts prefill as soon as the request is queued.  Caught as
 ``reserve-before-prefill``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE
 
 EXPECTED = "reserve-before-prefill"
-DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1)
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
 
 
 class PrefillBeforeReserve(HandoffModel):
     name = "prefill_before_reserve"
-
-    def _can_prefill_start(self, s, q):
-        # BUG: no reservation needed
-        return q.ph in ("Q", "R") and len(self.free_blocks(s, q.p)) >= self.nsrc
+    rules = REFERENCE.replace("prefill_start", phases=(Phase.QUEUED, Phase.RESERVED))  # BUG: no reservation needed
 
 
 def build(config: ModelConfig) -> HandoffModel:

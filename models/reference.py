@@ -14,7 +14,7 @@ from pdproto.protocol._config import ModelConfig
 from pdproto.protocol._reference import HandoffModel
 
 EXPECTED = None
-DEFAULT_CONFIG = ModelConfig.all_faults(1, mode="push", requests=2, blocks=1, block_size=4, prompt_len=3, max_new_tokens=2)
+DEFAULT_CONFIG = ModelConfig.all_faults(1, policy="push", requests=2, blocks=1, block_size=4, prompt_len=3, max_new_tokens=2)
 
 
 def build(config: ModelConfig) -> HandoffModel:

@@ -7,11 +7,14 @@ request.  The reference quarantines such blocks until the transfer ends.
 Caught as ``early-target-reuse``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
 
 EXPECTED = "early-target-reuse"
-DEFAULT_CONFIG = ModelConfig(mode="push", requests=2, blocks=1, faults={"restart": 1})
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=2, blocks=1, faults={"restart": 1})
+
+
+def fenced(m, s, x):
+    return False  # BUG: no fencing of the old incarnation's writes
 
 
 class RestartWithoutFencing(HandoffModel):
@@ -20,10 +23,7 @@ class RestartWithoutFencing(HandoffModel):
     # not to the monitor, so free blocks are not interchangeable: no block
     # renaming (requests and workers are still symmetric).
     SYMMETRIC_BLOCKS = False
-
-    def quarantined(self, s, w):
-        # BUG: no fencing of the old incarnation's writes
-        return ()
+    rules = REFERENCE.replace("fence", guard=fenced)
 
 
 def build(config: ModelConfig) -> HandoffModel:

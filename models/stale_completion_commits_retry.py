@@ -8,21 +8,25 @@ generation.  Caught as ``ticket-mismatch`` (the commit names the old
 generation's ticket).
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
 
 EXPECTED = "ticket-mismatch"
-DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"timeout": 1, "retry": 1})
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"timeout": 1, "retry": 1})
+
+
+def notify_for_request(m, s, msg, q):
+    # BUG: matched by request only; no generation or transfer check
+    awaiting = (Phase.RESERVED, Phase.PREFILLING, Phase.TRANSFERRING)
+    return q.end is End.LIVE and q.ph in awaiting and bool(q.dst) and msg.to == q.d
+
+
+def commit(m, s, msg, q, ev):
+    return m.commit(s, msg.r, q, ev, m.ticket(msg.r, msg.gen))  # the ticket the message names
 
 
 class StaleCompletionCommitsRetry(HandoffModel):
     name = "stale_completion_commits_retry"
-
-    def _recv_notify(self, s, m, q, ev):
-        # BUG: matched by request only; no generation or transfer check
-        if q.end == "" and q.ph in ("R", "P", "X") and q.dst and m.to == q.d:
-            return self._commit(s, m.r, q, ev, self.ticket(m.r, m.gen))
-        return s
+    rules = REFERENCE.replace("recv_notify", guard=notify_for_request, effect=commit)
 
 
 def build(config: ModelConfig) -> HandoffModel:

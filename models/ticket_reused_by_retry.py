@@ -6,14 +6,16 @@ reservations of two attempts become indistinguishable.  The reference makes
 every ticket and transfer id unique per generation.  Caught as ``id-reuse``.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import HandoffModel, ModelConfig
 
 EXPECTED = "id-reuse"
-DEFAULT_CONFIG = ModelConfig(mode="push", requests=1, blocks=1, faults={"timeout": 1, "retry": 1})
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"timeout": 1, "retry": 1})
 
 
 class TicketReusedByRetry(HandoffModel):
+    """Breaks the ``retry`` rule's "fresh ticket and transfer ids": the ids a
+    generation's rules use are named after the request alone."""
+
     name = "ticket_reused_by_retry"
 
     def ticket(self, r, gen):

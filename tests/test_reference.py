@@ -1,5 +1,5 @@
-"""Tests of the reference handoff model and its mutants (pdproto/_reference.py,
-models/)."""
+"""Tests of the reference handoff model, its rule tables and its mutants
+(pdproto/protocol/_reference.py, _push_pull.py, _rules.py, _symmetry.py, models/)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import attrs
 import pytest
 
 import models
+from pdproto.protocol import REFERENCE, End, Kind, MsgKind, Phase, RuleBook, XferState
 from pdproto.protocol._config import FAULT_KINDS, ModelConfig
 from pdproto.protocol._model import Action, ActionNotEnabled
-from pdproto.spec._monitor import Monitor
 from pdproto.protocol._reference import Handoff, HandoffModel, HState, transition_table, transition_table_markdown
+from pdproto.spec._history import POLICIES
+from pdproto.spec._monitor import Monitor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MUTANTS = sorted(
@@ -71,14 +73,14 @@ def bfs(model, max_states=2_000_000):
     return len(seen), None
 
 
-@pytest.fixture(params=["push", "pull"])
-def mode(request):
+@pytest.fixture(params=POLICIES)
+def policy(request):
     return request.param
 
 
-def test_header_and_interface(mode):
-    m = HandoffModel(ModelConfig.all_faults(1, mode=mode, prefill_workers=2, decode_workers=1, blocks=3))
-    assert m.header.policy == mode and m.header.complete
+def test_header_and_interface(policy):
+    m = HandoffModel(ModelConfig.all_faults(1, policy=policy, prefill_workers=2, decode_workers=1, blocks=3))
+    assert m.header.policy == policy and m.header.complete
     assert {n: (w.role, w.blocks) for n, w in m.header.workers.items()} == {
         "P0": ("prefill", 3),
         "P1": ("prefill", 3),
@@ -89,8 +91,8 @@ def test_header_and_interface(mode):
     assert all(isinstance(a, Action) for a in m.actions(s0))
 
 
-def test_actions_deterministic_and_hashable(mode):
-    cfg = ModelConfig.all_faults(1, mode=mode)
+def test_actions_deterministic_and_hashable(policy):
+    cfg = ModelConfig.all_faults(1, policy=policy)
     a, b = HandoffModel(cfg), HandoffModel(cfg)
     s, t = a.initial_states()[0], b.initial_states()[0]
     for _ in range(12):
@@ -107,23 +109,23 @@ def test_actions_deterministic_and_hashable(mode):
     eval(repr(Action("deliver", "net", (0, "notify", "r0", 0))))
 
 
-def test_not_enabled_changes_nothing(mode):
-    m = HandoffModel(ModelConfig(mode=mode))
+def test_not_enabled_changes_nothing(policy):
+    m = HandoffModel(ModelConfig(policy=policy))
     s = m.initial_states()[0]
     before = (s, m.actions(s))
     with pytest.raises(ActionNotEnabled) as info:
         m.step(s, Action("finish", "D0", ("r0",)))
     assert "not enabled" in str(info.value)
     assert (s, m.actions(s)) == before
-    h = Handoff(ModelConfig(mode=mode))
+    h = Handoff(ModelConfig(policy=policy))
     with pytest.raises(ActionNotEnabled):
         h.do("decode", "r0")
     assert h.events == [] and h.state == m.initial_states()[0]
 
 
 @pytest.mark.parametrize("requests", [1, 2])
-def test_clean_run_is_clean(mode, requests):
-    h = Handoff(ModelConfig(mode=mode, requests=requests, blocks=2))
+def test_clean_run_is_clean(policy, requests):
+    h = Handoff(ModelConfig(policy=policy, requests=requests, blocks=2))
     events = h.run()
     assert not h.actions  # quiet
     mon = monitor_for(h.model)
@@ -136,7 +138,7 @@ def test_clean_run_is_clean(mode, requests):
     first = next(e for e in events if e.EV == "decode")
     done = next(e for e in events if e.EV == "prefill_done")
     assert first.position == 3 and first.input_token == done.first_token
-    if mode == "push":
+    if policy == "push":
         assert kinds.index("reserve") < kinds.index("prefill_start")
     else:
         assert kinds.index("prefill_done") < kinds.index("reserve")
@@ -150,15 +152,15 @@ def test_clean_run_is_clean(mode, requests):
         {"restart": 2, "retry": 1, "cancel": 1},
     ],
 )
-def test_reference_exhaustive_small(mode, faults):
-    m = HandoffModel(ModelConfig(mode=mode, requests=1, blocks=1, faults=faults))
+def test_reference_exhaustive_small(policy, faults):
+    m = HandoffModel(ModelConfig(policy=policy, requests=1, blocks=1, faults=faults))
     states, found = bfs(m)
     assert found is None, found
     assert states > 10
 
 
-def test_reference_two_requests_some_faults(mode):
-    m = HandoffModel(ModelConfig(mode=mode, requests=2, blocks=1, faults={"cancel": 1, "loss": 1, "transfer_fail": 1}))
+def test_reference_two_requests_some_faults(policy):
+    m = HandoffModel(ModelConfig(policy=policy, requests=2, blocks=1, faults={"cancel": 1, "loss": 1, "transfer_fail": 1}))
     states, found = bfs(m)
     assert found is None, found
 
@@ -170,25 +172,25 @@ def test_reference_default_config_pull_explored():
     from pdproto.drivers._explore import explore
 
     ref = importlib.import_module("models.reference")
-    r = explore(ref.build(attrs.evolve(ref.DEFAULT_CONFIG, mode="pull")))
+    r = explore(ref.build(attrs.evolve(ref.DEFAULT_CONFIG, policy="pull")))
     assert r.complete and not r.truncated
     assert r.ok and not r.violations and not r.deadlocks and not r.invariant_failures, [
         (c.invariant, [str(st.action) for st in c.trace]) for c in r.failures
     ]
-    assert not r.unmet_sometimes and set(r.met_sometimes) == set(ref.build(attrs.evolve(ref.DEFAULT_CONFIG, mode="pull")).sometimes)
+    assert not r.unmet_sometimes and set(r.met_sometimes) == set(ref.build(attrs.evolve(ref.DEFAULT_CONFIG, policy="pull")).sometimes)
 
 
-def test_sometimes_reachable_small(mode):
+def test_sometimes_reachable_small(policy):
     from pdproto.drivers._explore import explore
 
-    m = HandoffModel(ModelConfig(mode=mode, requests=2, blocks=1, faults={k: 1 for k in FAULT_KINDS if k not in ("restart", "retry")}))
+    m = HandoffModel(ModelConfig(policy=policy, requests=2, blocks=1, faults={k: 1 for k in FAULT_KINDS if k not in ("restart", "retry")}))
     r = explore(m)
     assert r.ok and not r.violations and not r.deadlocks and not r.unmet_sometimes
-    m = HandoffModel(ModelConfig(mode=mode, requests=1, blocks=1, faults={k: 1 for k in FAULT_KINDS}))
+    m = HandoffModel(ModelConfig(policy=policy, requests=1, blocks=1, faults={k: 1 for k in FAULT_KINDS}))
     r = explore(m)
     assert not r.violations and not r.deadlocks
     # one request never waits in D's queue
-    assert set(r.unmet_sometimes) <= ({"phase-W"} if mode == "pull" else set())
+    assert set(r.unmet_sometimes) <= ({"phase-W"} if policy == "pull" else set())
 
 
 def test_default_config_has_every_fault():
@@ -236,17 +238,33 @@ def test_mutant_counterexample_is_shortest(name, symmetry):
 
 def test_doc_table_matches_code():
     doc = open(os.path.join(ROOT, "docs", "protocol.md")).read()
-    for mode in ("push", "pull"):
+    for policy in POLICIES:
         m = re.search(
-            rf"<!-- BEGIN GENERATED TABLE {mode} -->\n(.*?)<!-- END GENERATED TABLE {mode} -->", doc, re.S
+            rf"<!-- BEGIN GENERATED TABLE {policy} -->\n(.*?)<!-- END GENERATED TABLE {policy} -->", doc, re.S
         )
-        assert m, mode
-        assert m.group(1) == transition_table_markdown(mode), f"regenerate with benchmarks/gen_protocol_table.py ({mode})"
+        assert m, policy
+        assert m.group(1) == transition_table_markdown(policy), f"regenerate with benchmarks/gen_protocol_table.py ({policy})"
 
 
-def test_table_lists_every_emitted_event(mode):
-    rows = {r["action"]: r for r in transition_table(mode)}
-    m = HandoffModel(ModelConfig(mode=mode, requests=2, blocks=1, faults={k: 1 for k in FAULT_KINDS}))
+def _declared(table, rule):
+    """The events ``rule`` declares, with those of the handler rules it runs."""
+    out = set(rule.events)
+    for name in rule.calls:
+        out |= _declared(table, table[name])
+    if rule.kind == Kind.MESSAGE:  # a delivery runs the receiver's recv_ rule
+        for kind in MsgKind:
+            if table.get("recv_" + kind.word):
+                out |= _declared(table, table["recv_" + kind.word])
+    return out
+
+
+def test_rules_declare_every_emitted_event(policy):
+    table = HandoffModel.rules[policy]
+    declared: dict[str, set] = {}
+    for rule in table:
+        if rule.kind != Kind.HANDLER:
+            declared.setdefault(rule.action, set()).update(_declared(table, rule))
+    m = HandoffModel(ModelConfig(policy=policy, requests=2, blocks=1, faults={k: 1 for k in FAULT_KINDS}))
     seen = set()
     frontier = deque(m.initial_states())
     emitted: dict[str, set] = {}
@@ -258,14 +276,70 @@ def test_table_lists_every_emitted_event(mode):
             if ns not in seen:
                 seen.add(ns)
                 frontier.append(ns)
+    assert set(emitted) == set(declared)  # every action rule fires somewhere
     for kind, evs in emitted.items():
-        if kind in ("deliver", "dup"):
-            listed = set().union(*(re.findall(r"[a-z_]+", rows[k]["events"]) for k in rows if k.startswith("deliver ")))
-        else:
-            listed = set(re.findall(r"[a-z_]+", rows[kind]["events"]))
-            if "cleanup" in rows[kind]["effect"]:
-                listed |= set(re.findall(r"[a-z_]+", rows["cleanup"]["events"]))
-        assert evs <= listed, (kind, evs - listed)
+        assert evs <= declared[kind], (kind, evs - declared[kind])
+    rows = transition_table(policy)
+    assert [r["action"].split(" ")[0] for r in rows] == list(table.names())
+
+
+def test_table_order_is_the_action_order(policy):
+    """``actions`` offers the action rules in table order: the kinds of the
+    actions of a state follow the table, run by run."""
+    table = HandoffModel.rules[policy]
+    h = Handoff(ModelConfig.all_faults(1, policy=policy, requests=1, blocks=1))
+    h.do("submit", "r0")
+    rank = {rule.name: i for i, rule in enumerate(table)}
+    by_action = {}
+    for rule in table:
+        by_action.setdefault((rule.action, rule.fault is not None), rule.name)
+    ranks = [rank[by_action[(a.kind, a.fault)]] for a in h.actions]
+    assert ranks == sorted(ranks) and len(ranks) >= 3
+
+
+def test_mutants_replace_one_rule():
+    """Each mutant is the reference with at most one rule replaced (the
+    ticket-reuse mutant overrides the ids instead), in every family."""
+    for name in MUTANTS:
+        mod = importlib.import_module(f"models.{name}")
+        cls = type(mod.build(mod.DEFAULT_CONFIG))
+        assert isinstance(cls.rules, RuleBook)
+        changed = set()
+        for policy in POLICIES:
+            ours, ref = cls.rules[policy], REFERENCE[policy]
+            assert ours.names() == ref.names(), name
+            changed |= {r.name for r in ours if r is not ref[r.name]}
+        assert len(changed) <= 1, (name, changed)
+        assert changed or name == "ticket_reused_by_retry", name
+
+
+def test_replace_unknown_rule_is_refused():
+    with pytest.raises(KeyError, match="no rule 'recv_nothing'"):
+        REFERENCE.replace("recv_nothing", guard=None)
+    with pytest.raises(KeyError, match="family 'push'"):
+        REFERENCE["push"].replace("recv_ready", guard=None)
+    assert "recv_ready" in REFERENCE["pull"] and "recv_ready" not in REFERENCE["push"]
+
+
+def test_enum_order_is_the_letter_order():
+    """Symmetry reduction keeps the least renamed state by tuple comparison:
+    the enums sort like the letter codes they replaced, so it keeps the same."""
+    assert [p.letter for p in sorted(Phase)] == sorted(p.letter for p in Phase) == list("-CFPQRWX")
+    assert [e.name for e in sorted(End)] == ["LIVE", "CANCELLED", "FINISHED", "FAILED"]
+    assert [k.word for k in sorted(MsgKind)] == sorted(k.word for k in MsgKind)
+    assert list(XferState) == sorted(XferState)
+    assert eval(repr(Phase.QUEUED)) is Phase.QUEUED
+
+
+def test_mode_is_the_old_name_of_policy():
+    cfg = ModelConfig(mode="pull", requests=1)
+    assert cfg.policy == cfg.mode == "pull" and cfg == ModelConfig(policy="pull", requests=1)
+    assert attrs.evolve(cfg, mode="push").policy == "push"
+    assert attrs.evolve(cfg, policy="push").policy == "push"
+    assert HandoffModel(cfg).mode == HandoffModel(cfg).policy == "pull"
+    assert eval(repr(cfg)) == cfg
+    with pytest.raises(Exception, match="policy"):
+        ModelConfig(policy="sideways")
 
 
 # -- symmetry reduction ------------------------------------------------------
@@ -364,7 +438,7 @@ def _live(mkey):
 
 
 @pytest.mark.parametrize("cfg", SYM_CONFIGS)
-def test_symmetry_reduction_is_sound(mode, cfg):
+def test_symmetry_reduction_is_sound(policy, cfg):
     """Symmetry reduction loses no reachable behaviour: a breadth-first search
     keyed by the canonical form (the model state from ``symmetry``, the
     monitor key renamed with the same Renaming, as pdproto.drivers._explore does)
@@ -373,7 +447,7 @@ def test_symmetry_reduction_is_sound(mode, cfg):
     state it stores, and stores as many states as the explorer."""
     from pdproto.drivers._explore import Renaming, explore, rename_monitor_key
 
-    model = HandoffModel(ModelConfig(mode=mode, **cfg))
+    model = HandoffModel(ModelConfig(policy=policy, **cfg))
 
     def canon(s, mkey):
         cs, ren = model.symmetry(s)
@@ -414,11 +488,11 @@ def test_symmetry_reduction_is_sound(mode, cfg):
 
 
 @pytest.mark.parametrize("cfg", SYM_CONFIGS)
-def test_free_blocks_are_blank(mode, cfg):
+def test_free_blocks_are_blank(policy, cfg):
     """Block renaming relies on the model's free blocks being interchangeable:
     no block the model would hand out is owned, read, written, quarantined
     or reserved in the monitor's view."""
-    model = HandoffModel(ModelConfig(mode=mode, **cfg))
+    model = HandoffModel(ModelConfig(policy=policy, **cfg))
     for (s, _), mon in _reachable(model).items():
         for w, wn in enumerate(model.wname):
             for b in model.free_blocks(s, w):
@@ -429,7 +503,7 @@ def test_free_blocks_are_blank(mode, cfg):
 def test_symmetry_renaming_matches_state():
     """The Renaming names the ids of the renamed state: request r0 of the
     canonical state is the request the renaming maps to "r0"."""
-    model = HandoffModel(ModelConfig(mode="push", requests=2, blocks=2))
+    model = HandoffModel(ModelConfig(policy="push", requests=2, blocks=2))
     h = Handoff(model=model)
     h.do("submit", "r0")
     h.do("submit", "r1")

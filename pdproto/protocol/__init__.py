@@ -1,5 +1,6 @@
-"""The protocol: the model interface, the configuration of a handoff model, and
-the reference handoff protocol (push and pull).  Imports only the spec."""
+"""The protocol: the model interface, the configuration of a handoff model, the
+reference handoff protocol as rule tables (push and pull), the model that runs
+them and its symmetry reduction.  Imports only the spec."""
 
 from ._model import Action as Action
 from ._model import Model as Model
@@ -8,6 +9,17 @@ from ._model import Renaming as Renaming
 from ._config import FAULT_KINDS as FAULT_KINDS
 from ._config import ModelConfig as ModelConfig
 from ._config import parse_faults as parse_faults
+from ._state import Phase as Phase
+from ._state import End as End
+from ._state import XferState as XferState
+from ._state import MsgKind as MsgKind
+from ._rules import Kind as Kind
+from ._rules import Rule as Rule
+from ._rules import RuleTable as RuleTable
+from ._rules import RuleBook as RuleBook
+from ._push_pull import PUSH as PUSH
+from ._push_pull import PULL as PULL
+from ._push_pull import REFERENCE as REFERENCE
 from ._reference import HandoffModel as HandoffModel
 from ._reference import Handoff as Handoff
 from ._reference import HState as HState
@@ -25,6 +37,17 @@ __all__ = [
     "FAULT_KINDS",
     "ModelConfig",
     "parse_faults",
+    "Phase",
+    "End",
+    "XferState",
+    "MsgKind",
+    "Kind",
+    "Rule",
+    "RuleTable",
+    "RuleBook",
+    "PUSH",
+    "PULL",
+    "REFERENCE",
     "HandoffModel",
     "Handoff",
     "HState",

@@ -4,7 +4,7 @@ in one run."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import attrs
 
@@ -42,24 +42,27 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise UsageError(attribute.name, value, "an integer >= 1")
 
 
-def _mode(instance: object, attribute: attrs.Attribute, value: str) -> None:
+def _policy(instance: object, attribute: attrs.Attribute, value: str) -> None:
     if value not in POLICIES:
-        raise UsageError("mode", value, " or ".join(POLICIES))
+        raise UsageError("policy", value, " or ".join(POLICIES))
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class ModelConfig:
     """Sizes and fault budgets of one run of a handoff model.
 
-    ``mode`` is the protocol family: ``"push"`` (reserve D blocks first, P
-    writes into D) or ``"pull"`` (prefill first, D reserves and reads from P).
+    ``policy`` is the protocol family (the history header's word): ``"push"``
+    (reserve D blocks first, P writes into D) or ``"pull"`` (prefill first, D
+    reserves and reads from P).  ``mode`` is its old name: ``ModelConfig(mode=
+    "pull")`` still works, and when both are given ``mode`` wins, so that
+    ``attrs.evolve(config, mode="pull")`` works too.
     ``blocks`` is the pool size of every worker; a request's prompt of
     ``prompt_len`` tokens fills ``ceil(prompt_len / block_size)`` blocks.
     ``faults`` maps each kind of :data:`FAULT_KINDS` to its budget (missing
     kinds are 0).
     """
 
-    mode: str = attrs.field(default="push", validator=_mode)
+    policy: str = attrs.field(default="push", validator=_policy)
     requests: int = attrs.field(default=2, validator=_positive)
     prefill_workers: int = attrs.field(default=1, validator=_positive)
     decode_workers: int = attrs.field(default=1, validator=_positive)
@@ -69,20 +72,24 @@ class ModelConfig:
     max_new_tokens: int = attrs.field(default=2, validator=_positive)
     faults: Mapping[str, int] = attrs.field(factory=dict, converter=_faults, hash=False)
 
+    def __init__(self, *args: Any, mode: str | None = None, **kwargs: Any) -> None:
+        if mode is not None:
+            kwargs["policy"] = mode
+        self.__attrs_init__(*args, **kwargs)  # type: ignore[attr-defined]
+
+    @property
+    def mode(self) -> str:
+        """The old name of :attr:`policy` (read-only)."""
+        return self.policy
+
     def __hash__(self) -> int:  # faults is a dict; hash its items
-        return hash((self.mode, self.requests, self.prefill_workers, self.decode_workers,
+        return hash((self.policy, self.requests, self.prefill_workers, self.decode_workers,
                      self.blocks, self.block_size, self.prompt_len, self.max_new_tokens,
                      tuple(sorted(self.faults.items()))))
 
     @property
     def blocks_per_request(self) -> int:
         return -(-self.prompt_len // self.block_size)
-
-    def budget(self, kind: str) -> int:
-        return self.faults[kind]
-
-    def with_faults(self, **budgets: int) -> "ModelConfig":
-        return attrs.evolve(self, faults={**self.faults, **budgets})
 
     @classmethod
     def all_faults(cls, budget: int = 1, **kwargs: object) -> "ModelConfig":
