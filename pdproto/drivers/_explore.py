@@ -17,11 +17,11 @@ Soundness of symmetry reduction (see docs/modeling.md):
 - ``model.symmetry(state) -> (canonical_state, Renaming)`` (optional): the
   model says which renaming of its ids maps ``state`` to its canonical form;
   the explorer applies the same renaming to the monitor's verdict state
-  (:func:`rename_monitor_key`).  Two product states get the same key only if
-  one renaming maps one onto the other, so the reduction is sound whenever
-  the model and the monitor treat the renamed ids alike (the monitor does:
-  it never compares ids except for equality, and block ids only against the
-  pool size).
+  (:meth:`Monitor.renamed_key`; :func:`rename_monitor_key` is the same).
+  Two product states get the same key only if one renaming maps one onto
+  the other, so the reduction is sound whenever the model and the monitor
+  treat the renamed ids alike (the monitor does: it never compares ids
+  except for equality, and block ids only against the pool size).
 - ``model.canonical(state)`` alone is paired with the *concrete* monitor
   key.  That is sound only when the model state determines the monitor's
   verdict state (every fact the monitor tracks is also in the model state),
@@ -94,7 +94,7 @@ def explore(
     docs/modeling.md, "Memory").
 
     ``backend`` (a factory of data backends such as
-    :class:`pdproto._torch_backend.TorchBackend`: ``apply(event) ->
+    :class:`pdproto.TorchBackend`: ``apply(event) ->
     violations``, ``finish()``, ``copy()``) runs along the BFS tree: every
     new state gets a copy of its parent's backend (the backend of the first
     path that reached it) with the step's events applied; only states of the
