@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hypothesis import HealthCheck, seed, settings  # noqa: E402
 from hypothesis.stateful import get_state_machine_test  # noqa: E402
 
-from pdproto.drivers._loader import load_model  # noqa: E402
-from pdproto.testing import handoff_machine, reachable_states, uniform_machine  # noqa: E402
+from pdproto import load_model  # noqa: E402
+from pdproto.drivers import reachable_states  # noqa: E402
+from pdproto.testing import handoff_machine, uniform_machine  # noqa: E402
 
 
 def run(machine, budget: int, steps_per_example: int, s: int) -> dict:

@@ -23,6 +23,12 @@ from .drivers import ExploreResult as ExploreResult
 from .drivers import ModelInfo as ModelInfo
 from .drivers import Step as Step
 from .drivers import explore as explore
+from .drivers import audit as audit
+from .drivers import AuditResult as AuditResult
+from .drivers import replay as replay
+from .drivers import ReplayResult as ReplayResult
+from .drivers import fuzz as fuzz
+from .drivers import FuzzResult as FuzzResult
 from .drivers import list_models as list_models
 from .drivers import load_model as load_model
 from .protocol import FAULT_KINDS as FAULT_KINDS
@@ -122,6 +128,12 @@ __all__ = [
     # the drivers
     "explore",
     "ExploreResult",
+    "audit",
+    "AuditResult",
+    "replay",
+    "ReplayResult",
+    "fuzz",
+    "FuzzResult",
     "Counterexample",
     "Step",
     "load_model",

@@ -148,3 +148,56 @@ def test_monitor_never_crashes_on_any_valid_event_sequence(evs):
         m.finish()
         for v in m.violations:
             assert 1 <= v.line <= len(evs) and all(w < v.line or v.invariant in ("leak", "stuck") for w in v.witness)
+
+
+# -- the library drivers behind `pdproto audit` and `pdproto replay` -------------
+
+
+@pytest.mark.parametrize("name", ["clean-push", "double-commit", "early-target-reuse"])
+def test_library_audit_is_the_cli_json(name, capsys):
+    from pdproto import AuditResult, audit
+
+    path = os.path.join(EXAMPLES, f"{name}.jsonl")
+    result = audit(path, complete=True)
+    assert isinstance(result, AuditResult)
+    code = main(["audit", "--json", "--complete", path])
+    assert json.loads(capsys.readouterr().out) == result.to_dict()
+    assert code == (0 if result.ok else 1)
+    assert result.ok is (not result.violations)
+    from pdproto import Violation
+
+    assert eval(repr(result), {"AuditResult": AuditResult, "Violation": Violation}) == result
+
+
+def test_library_audit_bad_input_raises():
+    from pdproto import HistoryFormatError, UsageError, audit
+
+    with pytest.raises(UsageError):
+        audit(os.path.join(EXAMPLES, "clean-push.jsonl"), skip=["no-such"])
+    with pytest.raises(HistoryFormatError):
+        audit(os.path.join(ROOT, "README.md"))
+
+
+def test_library_replay_is_the_cli_json(capsys):
+    pytest.importorskip("torch")
+    from pdproto import ReplayResult, replay
+
+    path = os.path.join(EXAMPLES, "early-target-reuse.jsonl")
+    result = replay(path, dtype="float32")
+    assert isinstance(result, ReplayResult) and not result.ok
+    assert result.data_violations >= 1
+    assert main(["replay", path, "--dtype", "float32", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out) == result.to_dict()
+
+
+def test_replay_without_torch_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.delitem(sys.modules, "pdproto.backends._torch", raising=False)
+    from pdproto import PdprotoError, replay
+
+    with pytest.raises(PdprotoError) as exc:
+        replay(os.path.join(EXAMPLES, "clean-push.jsonl"))
+    assert "pip install 'pdproto[torch]'" in str(exc.value)
+    assert main(["replay", os.path.join(EXAMPLES, "clean-push.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'pdproto[torch]'" in err and "Traceback" not in err

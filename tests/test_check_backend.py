@@ -118,3 +118,64 @@ def test_fast_copy_matches_deepcopy(torch):
         assert out[0] == out[1]
         base.apply(ev, line)
     assert base.copy().finish() == base.deepcopy().finish()
+
+
+# -- a model that is no handoff: its own invariants alone (--no-monitor) --------
+
+COUNTER = __import__("os").path.join(__import__("os").path.dirname(__file__), "_counter_model.py")
+
+
+def test_no_monitor_counter_model_passes(capsys):
+    rc, obj = _check([COUNTER + ":model", "--no-monitor"], capsys)
+    assert rc == 0 and obj["ok"] and obj["complete"]
+    assert obj["states"] == 16 and obj["met_sometimes"] == ["both-at-limit"]
+    assert obj["monitor"] is False
+    rc, text, _ = _cli(["check", COUNTER + ":model", "--no-monitor"], capsys)
+    assert rc == 0 and "OK" in text and "all 1 reached" in text
+
+
+def test_no_monitor_counter_model_fails_with_shortest_trace(capsys, tmp_path):
+    rc, obj = _check([COUNTER + ":broken", "--no-monitor"], capsys)
+    assert rc == 1 and not obj["ok"]
+    (v,) = obj["violations"]
+    assert v["invariant"] == "within-bound" and v["kind"] == "state-invariant"
+    assert v["length"] == 6
+    assert {s["actor"] for s in v["trace"]} == {"?"} and all(not s["events"] for s in v["trace"])
+    rc, text, _ = _cli(["check", COUNTER + ":broken", "--no-monitor"], capsys)
+    assert rc == 1 and "within-bound" in text and "inc(1)" in text
+
+
+def test_no_monitor_counter_model_unmet_sometimes_fails(capsys, tmp_path):
+    path = tmp_path / "never.py"
+    path.write_text(
+        f"import sys\nsys.path.insert(0, {__import__('os').path.dirname(COUNTER)!r})\n"
+        "from _counter_model import Counter\n"
+        "model = Counter(99)\n"
+        "model.sometimes = {'past-limit': lambda s: s[0] > 3}\n"
+    )
+    rc, obj = _check([f"{path}:model", "--no-monitor"], capsys)
+    assert rc == 1 and obj["complete"] and obj["unmet_sometimes"] == ["past-limit"]
+
+
+def test_policy_and_mode_are_one_flag(capsys):
+    rc, by_policy = _check(["--policy", "pull", "--requests", "1", "--faults", "none"], capsys)
+    rc2, by_mode = _check(["--mode", "pull", "--requests", "1", "--faults", "none"], capsys)
+    assert rc == rc2
+    assert by_policy["states"] == by_mode["states"] > 0
+    assert by_policy["config"] == by_mode["config"]
+    rc, _, err = _cli(["check", "--policy", "sideways"], capsys)
+    assert rc == 2 and "sideways" in err
+
+
+def test_check_table_shows_every_fault(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")  # issue 18 saw "trans…" on a narrow terminal
+    rc, text, _ = _cli(["check", "--requests", "1", "--blocks", "1", "--faults", "all=1",
+                        "--max-states", "50"], capsys)
+    assert rc == 0
+    from pdproto import FAULT_KINDS
+
+    # a long value wraps onto the next lines of its cell, never ends in "…"
+    assert "…" not in text
+    flat = "".join(c for c in text if not c.isspace() and c not in "│┃")
+    for kind in FAULT_KINDS:
+        assert f"{kind}=1" in flat, kind

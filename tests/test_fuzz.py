@@ -5,15 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, seed, settings
-from hypothesis.stateful import get_state_machine_test
 
+from pdproto import FuzzResult, HandoffModel, ModelConfig, explore, fuzz, list_models, load_model
 from pdproto._cli import main
-from pdproto.protocol._config import ModelConfig
-from pdproto.drivers._explore import explore
-from pdproto.drivers._loader import list_models, load_model
-from pdproto.protocol._reference import HandoffModel
-from pdproto.testing import handoff_machine, pick_failure
 
 pytest_plugins = ["pytester"]
 
@@ -22,30 +16,14 @@ MUTANT_BUDGET = 2000
 MUTANTS = [name for name, expected, _ in list_models() if expected]
 
 
-def fuzz(machine, examples, steps, s=0, database=None):
-    test = get_state_machine_test(machine, settings=settings(
-        max_examples=examples, stateful_step_count=steps, deadline=None, database=database,
-        suppress_health_check=list(HealthCheck), print_blob=False))
-    test = seed(s)(test)
-    try:
-        test()
-    except Exception as exc:
-        failure = pick_failure(exc)
-        if failure is None:
-            raise
-        return failure
-    return None
-
-
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_reference_larger_than_exhaustive_is_clean(mode):
     model = HandoffModel(ModelConfig.all_faults(1, mode=mode, requests=4, prefill_workers=2,
                                                 decode_workers=2, blocks=2))
-    machine = handoff_machine(model)
-    assert fuzz(machine, examples=15, steps=200) is None
-    st = machine.stats
-    assert st.distinct_states > 1000
-    assert set(st.faults) >= {"cancel", "timeout", "restart", "retry"}
+    result = fuzz(model, examples=15, steps=200, seed=0, database=None)
+    assert result.ok and result.failure is None
+    assert result.counters["distinct_states"] > 1000
+    assert set(result.counters["fault_kinds"]) >= {"cancel", "timeout", "restart", "retry"}
 
 
 @pytest.mark.slow
@@ -53,7 +31,7 @@ def test_reference_larger_than_exhaustive_is_clean(mode):
 def test_reference_larger_deeper(mode):
     model = HandoffModel(ModelConfig.all_faults(2, mode=mode, requests=4, prefill_workers=2,
                                                 decode_workers=2, blocks=3))
-    assert fuzz(handoff_machine(model), examples=40, steps=300, s=1) is None
+    assert fuzz(model, examples=40, steps=300, seed=1, database=None).ok
 
 
 @pytest.mark.parametrize("name", MUTANTS)
@@ -61,11 +39,12 @@ def test_mutant_found_and_shrunk(name, tmp_path):
     model, info = load_model(name)
     shortest = explore(model).failures[0]
     out = tmp_path / "failure.jsonl"
-    machine = handoff_machine(model, out=out)
-    failure = fuzz(machine, examples=MUTANT_BUDGET, steps=100)
+    result = fuzz(model, examples=MUTANT_BUDGET, steps=100, seed=0, database=None, out=out)
+    failure = result.failure
     assert failure is not None, f"{name} not found in {MUTANT_BUDGET} examples"
-    assert failure.violation.invariant == info.expected
-    assert machine.stats.found_at <= MUTANT_BUDGET
+    assert failure.violation.invariant == info.expected == result.violation.invariant
+    assert result.counters["found_at_example"] <= MUTANT_BUDGET
+    assert result.out == str(out)
     assert len(failure.trace) <= 1.5 * len(shortest.trace), (len(failure.trace), len(shortest.trace))
     # the written history audits to the same invariant
     assert main(["audit", "--json", str(out)]) == 1
@@ -142,7 +121,7 @@ def test_backend_factory_gets_every_event():
             return []
 
     model = HandoffModel(ModelConfig(requests=1, blocks=1))
-    assert fuzz(handoff_machine(model, backend=Recorder), examples=3, steps=20) is None
+    assert fuzz(model, backend=Recorder, examples=3, steps=20, seed=0, database=None).ok
     assert seen
 
 
@@ -196,7 +175,7 @@ def test_backend_sees_each_history_exactly_once_in_order():
             return []
 
     model = HandoffModel(ModelConfig.all_faults(1, requests=2, blocks=1))
-    assert fuzz(handoff_machine(model, backend=Recorder), examples=10, steps=200) is None
+    assert fuzz(model, backend=Recorder, examples=10, steps=200, seed=0, database=None).ok
     assert len(runs) > 10
     for lines in runs:
         assert lines == list(range(2, 2 + len(lines)))
@@ -211,3 +190,102 @@ def test_torch_backend_fuzz_clean_and_mutant(tmp_path):
     assert main(["fuzz", "d-frees-target-on-abort", "--backend", "torch", "--examples", "300",
                  "--seed", "0", "--no-database", "--json", "--out", str(out)]) == 1
     assert main(["replay", str(out), "--json"]) == 1
+
+
+# -- the library driver and its Hypothesis seam ----------------------------------
+
+
+def test_library_result_is_the_cli_json(tmp_path, capsys, monkeypatch):
+    """`pdproto fuzz --json` prints FuzzResult.to_dict(): the same keys, and
+    with one seed the same counts (a clean run; shrinking a failure is not
+    step-for-step repeatable)."""
+    monkeypatch.chdir(tmp_path)
+    model, info = load_model("reference")
+    result = fuzz(model, examples=5, steps=60, seed=7, database=None, name=info.name,
+                  expected=info.expected)
+    assert isinstance(result, FuzzResult) and result.ok
+    assert main(["fuzz", "--examples", "5", "--steps", "60", "--seed", "7", "--no-database", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    lib = result.to_dict()
+    assert list(cli) == list(lib)
+    for key in ("steps", "examples", "distinct_states", "action_kinds", "fault_kinds", "violation"):
+        assert cli[key] == lib[key], key
+    with pytest.raises(AttributeError):
+        result.seed = 4  # frozen
+    model, info = load_model("d-frees-target-on-abort")
+    failed = fuzz(model, examples=300, steps=50, seed=3, database=None).to_dict()
+    assert set(failed) == set(lib) | {"out"}
+    assert failed["violation"]["invariant"] == "early-target-reuse"
+
+
+def test_fuzz_out_in_missing_directory_is_usage_error(tmp_path):
+    from pdproto import UsageError
+
+    model, _ = load_model("reference")
+    with pytest.raises(UsageError) as exc:
+        fuzz(model, examples=1, out=tmp_path / "no" / "f.jsonl")
+    assert exc.value.what == "out"
+
+
+def test_fuzz_model_that_is_no_handoff():
+    """No header, no actor, no events: the model's own state invariant fails."""
+    import os
+
+    from pdproto.drivers._loader import load_model as load
+
+    path = os.path.join(os.path.dirname(__file__), "_counter_model.py")
+    clean, _ = load(path + ":model")
+    assert fuzz(clean, examples=20, steps=20, seed=0, database=None).ok
+    broken, _ = load(path + ":broken")
+    result = fuzz(broken, examples=50, steps=20, seed=0, database=None)
+    assert result.violation.invariant == "model:within-bound"
+    assert {actor for actor, _, _ in result.failure.trace} == {"?"}
+
+
+def test_weighted_draw_falls_back_to_public_api(monkeypatch):
+    """On an untested Hypothesis (or one whose engine refuses the weighted
+    draw) every draw is the public uniform one, and fuzzing still works."""
+    from pdproto.drivers import _hypothesis
+
+    class Data:  # what st.data() gives, without the engine behind it
+        def __init__(self):
+            self.drawn = []
+
+        def draw(self, strategy, label=None):
+            self.drawn.append(label)
+            return 1
+
+    data = Data()
+    monkeypatch.setattr(_hypothesis, "_weighted_ok", [True])
+    assert _hypothesis.weighted_index(data, [1.0, 2.0, 3.0], "action") == 1
+    assert data.drawn == ["action"] and not _hypothesis.weighted_draw_available()
+    monkeypatch.setattr(_hypothesis, "_weighted_ok", [False])
+    model, _ = load_model("d-frees-target-on-abort")
+    assert fuzz(model, examples=500, steps=50, seed=3, database=None).violation is not None
+
+
+def test_database_is_kept_apart_per_model(tmp_path):
+    from hypothesis.database import InMemoryExampleDatabase
+
+    from pdproto.drivers._hypothesis import namespaced_database
+
+    inner = InMemoryExampleDatabase()
+    a, b = namespaced_database(inner, "model a"), namespaced_database(inner, "model b")
+    a.save(b"key", b"value")
+    assert list(a.fetch(b"key")) == [b"value"] and list(b.fetch(b"key")) == []
+    a.move(b"key", b"other", b"value")
+    assert list(a.fetch(b"other")) == [b"value"] and list(a.fetch(b"key")) == []
+    a.delete(b"other", b"value")
+    assert list(a.fetch(b"other")) == []
+    assert namespaced_database(None, "x") is None
+
+
+def test_testing_module_offers_only_what_a_test_author_uses():
+    import pdproto.testing as testing
+
+    assert sorted(testing.__all__) == sorted([
+        "HandoffFailure", "handoff_machine", "uniform_machine", "configs", "fault_budgets",
+        "PROFILES", "register_profiles",
+    ])
+    for name in testing.__all__:
+        assert getattr(testing, name) is not None

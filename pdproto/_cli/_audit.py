@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 from typing import Any
 
-from ..spec._history import POLICIES, open_history
-from ..spec._monitor import INVARIANTS, Monitor, Violation, check_invariant_ids
+from ..drivers._audit import AuditResult, audit
+from ..spec._history import POLICIES
+from ..spec._monitor import INVARIANTS
 from .._errors import UsageError
 from . import EXIT_OK, EXIT_VIOLATION
 
@@ -52,28 +52,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def audit(path: str, *, policy: str | None = None, complete: bool = False, skip: Any = ()) -> tuple[Monitor, Any]:
-    """Audit the history at ``path``; returns the finished monitor and the header."""
-    skipped = check_invariant_ids(skip)
-    # The monitor's tables hold no reference cycles; the cyclic collector would
-    # only walk them again and again as they grow (a third of the time on a
-    # million events), so it is paused while the history is read.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with open_history(path) as reader:
-            monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
-            feed = monitor.feed
-            for line, event in reader:
-                feed(event, line)
-            monitor.line = max(monitor.line, reader.line)
-            monitor.finish()
-            return monitor, reader.header
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-
-
 def split_skip(args: argparse.Namespace) -> list[str]:
     """The invariant ids of ``--skip``; in ``--skip A B FILE`` the greedy
     option swallowed FILE, so a last entry that is no invariant id is the file."""
@@ -88,34 +66,26 @@ def split_skip(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace, console: Any) -> int:
     args.skip = split_skip(args)
-    monitor, header = audit(args.file, policy=args.policy, complete=args.complete, skip=args.skip)
-    violations = monitor.violations
+    result = audit(args.file, policy=args.policy, complete=args.complete, skip=args.skip)
     if args.json:
-        obj = {
-            "ok": not violations,
-            "events": monitor.events,
-            "violations": [v.to_dict() for v in violations],
-            "requests": monitor.requests,
-            "policy": monitor.policy,
-            "complete": monitor.complete,
-        }
-        print(json.dumps(obj))
+        print(json.dumps(result.to_dict()))
     else:
-        _print_report(console, args.file, monitor, violations)
-    return EXIT_VIOLATION if violations else EXIT_OK
+        _print_report(console, args.file, result)
+    return EXIT_OK if result.ok else EXIT_VIOLATION
 
 
-def _print_report(console: Any, path: str, monitor: Monitor, violations: list[Violation]) -> None:
+def _print_report(console: Any, path: str, result: AuditResult) -> None:
     from rich.table import Table
 
     name = "<stdin>" if path == "-" else path
-    mode = f"policy {monitor.policy}, " + ("complete" if monitor.complete else "not complete")
+    violations = result.violations
+    mode = f"policy {result.policy}, " + ("complete" if result.complete else "not complete")
     console.print(
-        f"[bold]{name}[/]: {monitor.events} events, {monitor.requests} requests ({mode})"
+        f"[bold]{name}[/]: {result.events} events, {result.requests} requests ({mode})"
     )
     if not violations:
         console.print("[green]ok[/]: no invariant violated")
-        if not monitor.complete:
+        if not result.complete:
             console.print(
                 "[dim]leak and stuck were not checked: pass --complete if the history runs "
                 "until the system went quiet[/]"
@@ -129,8 +99,12 @@ def _print_report(console: Any, path: str, monitor: Monitor, violations: list[Vi
     for v in violations:
         table.add_row(str(v.line), v.invariant, v.message, ", ".join(map(str, v.witness)) or "-")
     console.print(table)
+    console.print(f"[red]{len(violations)} violation(s)[/]: {summarize(violations)}")
+
+
+def summarize(violations: Any) -> str:
+    """``"inv x2, other x1"``: how many violations of each invariant, in order of first appearance."""
     counts: dict[str, int] = {}
     for v in violations:
         counts[v.invariant] = counts.get(v.invariant, 0) + 1
-    summary = ", ".join(f"{inv} x{n}" for inv, n in counts.items())
-    console.print(f"[red]{len(violations)} violation(s)[/]: {summary}")
+    return ", ".join(f"{inv} x{n}" for inv, n in counts.items())

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from .._errors import UsageError
+from ..spec._history import POLICIES
 from . import EXIT_OK, EXIT_VIOLATION, positive_int
 
 GRAPH_LIMIT = 20_000
@@ -35,7 +36,8 @@ def add_parser(sub: Any) -> None:
         "module:attribute (default: the reference model)",
     )
     p.add_argument("--list", action="store_true", help="list the catalogue's models and exit")
-    p.add_argument("--mode", choices=("push", "pull"), help="protocol family of the configuration")
+    p.add_argument("--policy", "--mode", dest="policy", choices=POLICIES,
+                   help="protocol family of the configuration (--mode is the same flag)")
     p.add_argument("--requests", type=positive_int, metavar="N", help="number of requests")
     p.add_argument("--blocks", type=positive_int, metavar="N", help="block pool size of every worker")
     p.add_argument(
@@ -48,6 +50,9 @@ def add_parser(sub: Any) -> None:
                    help="keep 64-bit fingerprints instead of states (less memory; prints the "
                    "probability that a hash collision hid a state)")
     p.add_argument("--no-symmetry", action="store_true", help="do not reduce by symmetry")
+    p.add_argument("--no-monitor", action="store_true",
+                   help="check the model against its own invariants and sometimes properties "
+                   "alone (no event monitor: for models that emit no handoff events)")
     p.add_argument("--continue", dest="keep_going", action="store_true",
                    help="keep exploring after a counterexample (one shortest trace per invariant)")
     p.add_argument("--backend", choices=("torch",), default=None,
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     backend_opts = _backend_options(args)
     faults = parse_faults(args.faults) if args.faults is not None else None
     model, info = load_model(
-        args.model, mode=args.mode, requests=args.requests, blocks=args.blocks, faults=faults
+        args.model, mode=args.policy, requests=args.requests, blocks=args.blocks, faults=faults
     )
     max_states = args.max_states
     backend = None
@@ -97,6 +102,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
             backend=backend,
             max_states=max_states,
             symmetry=not args.no_symmetry,
+            monitor=not args.no_monitor,
             fingerprint=args.fingerprint,
             progress=progress,
             keep_graph=args.graph is not None,
@@ -131,6 +137,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
             obj["backend"] = dict(backend_opts, name="torch", max_states=max_states)
         if args.graph is not None:
             obj["graph"] = args.graph
+        if args.no_monitor:
+            obj["monitor"] = False
         print(json.dumps(obj), file=console.file)
     else:
         _report(console, result, info, written, args, backend_opts)
@@ -162,10 +170,10 @@ def _backend_options(args: argparse.Namespace) -> dict[str, Any] | None:
 def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
     """A factory of torch backends for ``model``'s header; imports torch (a
     clear error, exit 2, when it is missing)."""
+    from ..drivers._replay import load_torch_backend
     from ..spec._history import HistoryHeader
-    from ._replay import _load_backend
 
-    tb = _load_backend()
+    tb = load_torch_backend()
     header = getattr(model, "header", None) or HistoryHeader()
     # one backend now: a bad --device or --dtype fails before the search
     first = tb.TorchBackend(header, device=opts["device"], dtype=opts["dtype"], layers=opts["layers"],
@@ -259,7 +267,7 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
     verdict = "[bold green]OK[/]" if result.ok else "[bold red]FAILED[/]"
     table = Table(title=f"pdproto check {info.spec}: {verdict}", title_justify="left", show_header=False)
     table.add_column("what", style="bold")
-    table.add_column("value")
+    table.add_column("value", overflow="fold")
     table.add_row("model", str(result.model))
     if info.config is not None:
         table.add_row("configuration", _config_text(info.config))
@@ -276,6 +284,8 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
     sps = result.states_per_second
     table.add_row("time", f"{result.seconds:.2f} s ({sps:,.0f} states/s)")
     table.add_row("symmetry", result.symmetry)
+    if args.no_monitor:
+        table.add_row("monitor", "off (the model's own invariants and sometimes only)")
     if backend_opts is not None:
         o = backend_opts
         table.add_row(
@@ -317,7 +327,8 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
         steps.add_column("events")
         for s in cx.trace:
             action = str(s.action) + (" [fault]" if s.fault else "")
-            steps.add_row(str(s.index), s.actor, action, "\n".join(_event_text(e) for e in s.events) or "-")
+            steps.add_row(str(s.index), s.actor or "?", action,
+                          "\n".join(_event_text(e) for e in s.events) or "-")
         console.print(steps)
         if cx.kind == "deadlock":
             console.print("no action is enabled after the last step, and the history ends here.")
@@ -337,7 +348,7 @@ def _config_text(config: Any) -> str:
         faults = d.pop("faults", None)
         text = ", ".join(f"{k}={v}" for k, v in d.items())
         if faults:
-            text += ", faults " + ",".join(f"{k}={v}" for k, v in faults.items())
+            text += ", faults " + ", ".join(f"{k}={v}" for k, v in faults.items())
         return text
     return str(d)
 

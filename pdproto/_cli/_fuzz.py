@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import io
 import json
 import os
 import sys
-import time
 from typing import Any
 
 from .._errors import UsageError
+from ..spec._history import POLICIES
 from . import EXIT_OK, EXIT_VIOLATION, positive_int
 
 
@@ -39,7 +37,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--requests", type=positive_int, metavar="N", help="number of requests")
     p.add_argument("--workers", metavar="P:D", help="prefill and decode worker counts, e.g. 2:2")
     p.add_argument("--blocks", type=positive_int, metavar="N", help="block pool size of every worker")
-    p.add_argument("--mode", choices=("push", "pull"), help="protocol family")
+    p.add_argument("--policy", "--mode", dest="policy", choices=POLICIES,
+                   help="protocol family (--mode is the same flag)")
     p.add_argument("--faults", metavar="KIND=N,...",
                    help="fault budgets replacing the model's defaults, e.g. all=2 or cancel=1,dup=2")
     p.add_argument("--out", metavar="FAILURE.jsonl",
@@ -67,108 +66,40 @@ def parse_workers(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from hypothesis import seed as hseed
-    from hypothesis import settings
-    from hypothesis.database import DirectoryBasedExampleDatabase
-    from hypothesis.stateful import get_state_machine_test
-
-    from ..protocol._config import parse_faults
+    from ..drivers._fuzz import FuzzStats, fuzz
     from ..drivers._loader import load_model
-    from ..spec._history import write_history
-    from ..testing import HandoffFailure, handoff_machine, pick_failure
+    from ..protocol._config import parse_faults
 
     workers = parse_workers(args.workers) if args.workers else (None, None)
     faults = parse_faults(args.faults) if args.faults is not None else None
     model, info = load_model(
-        args.model, mode=args.mode, requests=args.requests, blocks=args.blocks, faults=faults,
+        args.model, mode=args.policy, requests=args.requests, blocks=args.blocks, faults=faults,
         prefill_workers=workers[0], decode_workers=workers[1],
     )
-    out = args.out
-    if out is not None:
-        parent = os.path.dirname(os.path.abspath(out))
+    if args.out is not None:
+        parent = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(parent):
-            raise UsageError("--out", out, "a file in an existing directory")
+            raise UsageError("--out", args.out, "a file in an existing directory")
     backend = None
     if args.backend == "torch":
         if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
             raise UsageError("--device", args.device, "cpu or cuda")
-        from ..backends._torch import TorchBackend
+        from ..drivers._replay import torch_backend_factory
 
-        device, dtype = args.device, args.dtype
-
-        def backend(header: Any) -> Any:
-            return TorchBackend(header, device=device, dtype=dtype)
-
-    machine = handoff_machine(model, out=out, backend=backend)
-    stats = machine.stats
-    if args.coverage_exhaustive is not None:
-        from ..testing import reachable_states
-
-        stats.reachable = reachable_states(model, max_states=args.coverage_exhaustive)
-    database = None if args.no_database else DirectoryBasedExampleDatabase(".hypothesis/examples")
-    test = get_state_machine_test(
-        machine,
-        settings=settings(
-            max_examples=args.examples,
-            stateful_step_count=args.steps,
-            deadline=None,
-            database=database,
-            suppress_health_check=list(__import__("hypothesis").HealthCheck),
-            print_blob=False,
-        ),
-    )
-    identity = f"pdproto-fuzz:{info.name}:{info.config!r}".encode()
-    test._hypothesis_internal_database_key = hashlib.sha256(identity).digest()  # type: ignore[attr-defined]
-    if args.seed is not None:
-        test = hseed(args.seed)(test)
-
-    failure: HandoffFailure | None = None
-    captured = io.StringIO()
-    t0 = time.perf_counter()
+        backend = torch_backend_factory(device=args.device, dtype=args.dtype)
+    stats = FuzzStats()
     with _progress(console, args, stats, info.name):
-        with contextlib.redirect_stdout(captured):
-            try:
-                test()
-            except Exception as exc:
-                failure = pick_failure(exc)
-                if failure is None:
-                    raise
-    if failure is not None and out is not None:
-        # with several distinct bugs Hypothesis replays each; the file must
-        # hold the one reported here
-        write_history(out, failure.events, failure.header)
-    seconds = time.perf_counter() - t0
-    summary = stats.to_dict()
-    summary["seconds"] = round(seconds, 3)
-    summary["steps_per_second"] = round(stats.steps / seconds, 1) if seconds else 0.0
-    summary["examples_per_second"] = round(stats.examples / seconds, 2) if seconds else 0.0
-    result: dict[str, Any] = {
-        "ok": failure is None,
-        "model": info.name,
-        "expected": info.expected,
-        **summary,
-        "seed": args.seed,
-        "violation": None,
-    }
-    if failure is not None:
-        v = failure.violation
-        result["violation"] = {
-            "invariant": v.invariant,
-            "line": v.line,
-            "message": v.message,
-            "witness": list(v.witness),
-            "trace": [
-                {"step": i, "actor": actor, "action": str(action), "fault": action.fault,
-                 "events": [e.to_dict() for e in events]}
-                for i, (actor, action, events) in enumerate(failure.trace, 1)
-            ],
-        }
-        result["out"] = failure.history
+        result = fuzz(
+            model, examples=args.examples, steps=args.steps, seed=args.seed, out=args.out,
+            database=None if args.no_database else ".hypothesis/examples", backend=backend,
+            coverage_states=args.coverage_exhaustive, name=info.name, expected=info.expected,
+            stats=stats,
+        )
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result.to_dict()))
     else:
-        _report(console, result, failure)
-    return EXIT_VIOLATION if failure is not None else EXIT_OK
+        _report(console, result.to_dict(), result.failure)
+    return EXIT_OK if result.ok else EXIT_VIOLATION
 
 
 @contextlib.contextmanager

@@ -1,0 +1,166 @@
+"""Replaying as a library: :func:`replay` executes a history on real paged KV
+buffers (the torch backend) while the monitor judges it, and returns a
+:class:`ReplayResult`.  Also the one place that loads the torch backend
+(:func:`load_torch_backend`, :func:`torch_backend_factory`): torch is
+optional, and its absence is one clear :class:`~pdproto.UsageError`."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Callable, Iterable, Mapping
+
+import attrs
+
+from .._errors import MissingExtraError, PdprotoError, UsageError
+from ..spec._history import open_history
+from ..spec._monitor import Monitor, Violation, check_invariant_ids
+
+#: the invariant id of the data-level check (the backend's)
+KV_CORRUPTION = "kv-corruption"
+
+
+def load_torch_backend() -> Any:
+    """The module :mod:`pdproto.backends._torch` (imports torch); a
+    :class:`~pdproto.MissingExtraError` (a :class:`~pdproto.PdprotoError`)
+    naming ``pip install 'pdproto[torch]'`` when PyTorch is not installed."""
+    try:
+        return importlib.import_module("pdproto.backends._torch")
+    except PdprotoError:
+        raise
+    except ImportError as exc:
+        # ModuleNotFoundError names the module; torch blocked in sys.modules
+        # (set to None) raises a plain ImportError that names it in the text
+        missing = getattr(exc, "name", None) or ""
+        if missing == "torch" or missing.startswith("torch.") or "'torch'" in str(exc):
+            raise MissingExtraError("the torch backend", "PyTorch", "torch") from None
+        raise
+
+
+def torch_backend_factory(**options: Any) -> Callable[[Any], Any]:
+    """``factory(header) -> TorchBackend(header, **options)`` (for
+    :func:`pdproto.fuzz`); loads torch now (see :func:`load_torch_backend`)."""
+    tb = load_torch_backend()
+
+    def factory(header: Any) -> Any:
+        return tb.TorchBackend(header, **options)
+
+    return factory
+
+
+def level(v: Violation) -> str:
+    """``"data"`` for the backend's kv-corruption, else ``"protocol"``."""
+    return "data" if v.invariant == KV_CORRUPTION else "protocol"
+
+
+@attrs.frozen
+class ReplayResult:
+    """What :func:`replay` found: the monitor's and the backend's
+    ``violations`` together, sorted by line; ``backend`` describes the KV
+    buffers (device, dtype, shapes, bytes copied).  :meth:`to_dict` is the
+    JSON object of ``pdproto replay --json``."""
+
+    events: int
+    requests: int
+    policy: str
+    complete: bool
+    violations: tuple[Violation, ...]
+    backend: Mapping[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def data_violations(self) -> int:
+        return sum(1 for v in self.violations if v.invariant == KV_CORRUPTION)
+
+    @property
+    def protocol_violations(self) -> int:
+        return len(self.violations) - self.data_violations
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "events": self.events,
+            "violations": [dict(v.to_dict(), level=level(v)) for v in self.violations],
+            "protocol_violations": self.protocol_violations,
+            "data_violations": self.data_violations,
+            "requests": self.requests,
+            "policy": self.policy,
+            "complete": self.complete,
+            "backend": dict(self.backend),
+        }
+
+
+def _check_shapes(layers: int, kv_heads: int, head_dim: int, block_size: int | None) -> None:
+    for name, value, low in (("--layers", layers, 1), ("--kv-heads", kv_heads, 1), ("--head-dim", head_dim, 5)):
+        if value < low:
+            raise UsageError(name, value, f"an integer >= {low}")
+    if block_size is not None and block_size < 1:
+        raise UsageError("--block-size", block_size, "an integer >= 1")
+
+
+def replay(
+    path: str | os.PathLike[str],
+    *,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    tp: str = "1:1",
+    layers: int = 2,
+    kv_heads: int = 4,
+    head_dim: int = 8,
+    block_size: int | None = None,
+    policy: str | None = None,
+    complete: bool = False,
+    skip: Iterable[str] = (),
+) -> ReplayResult:
+    """Replay the history at ``path`` (``"-"``: standard input) on one paged
+    KV pool per worker, with the monitor judging it.
+
+    ``tp`` is ``"P:D"``, the tensor-parallel sizes of prefill and decode
+    workers; ``block_size`` defaults to the header's.  ``policy``,
+    ``complete`` and ``skip`` are those of :func:`pdproto.audit`.  Needs
+    torch (a :class:`~pdproto.UsageError` when it is missing)."""
+    tb = load_torch_backend()
+    skipped = check_invariant_ids(skip)
+    _check_shapes(layers, kv_heads, head_dim, block_size)
+    with open_history(os.fspath(path)) as reader:
+        monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
+        backend = tb.TorchBackend(reader.header, device=device, dtype=dtype, tp=tb.parse_tp(tp),
+                                  layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                                  block_size=block_size)
+        feed, apply = monitor.feed, backend.apply
+        for line, event in reader:
+            feed(event, line)
+            apply(event, line)
+        last = max(monitor.line, reader.line)
+        monitor.line = last
+        backend.line = max(backend.line, last)
+        monitor.finish()
+        backend.finish()
+    merged = sorted(
+        [(v.line, 0, i, v) for i, v in enumerate(monitor.violations)]
+        + [(v.line, 1, i, v) for i, v in enumerate(backend.violations)]
+    )
+    return ReplayResult(events=monitor.events, requests=monitor.requests, policy=monitor.policy,
+                        complete=monitor.complete, violations=tuple(m[3] for m in merged),
+                        backend=_backend_info(backend))
+
+
+def _backend_info(backend: Any) -> dict[str, Any]:
+    L = backend.layout
+    return {
+        "name": "torch",
+        "device": str(backend.device),
+        "dtype": L.dtype,
+        "tp": list(backend.tp),
+        "layers": L.layers,
+        "kv_heads": L.kv_heads,
+        "head_dim": L.head_dim,
+        "block_size": L.block_size,
+        "bytes_copied": backend.bytes_copied,
+    }
+
+
+__all__ = ["replay", "ReplayResult", "load_torch_backend", "torch_backend_factory", "KV_CORRUPTION"]
