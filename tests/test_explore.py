@@ -250,6 +250,30 @@ def test_progress_called():
     assert seen and seen[-1]["done"] and seen[-1]["states"] == 74
 
 
+class _Line:
+    """States 0..1000 in a line."""
+
+    name = "line"
+
+    def initial_states(self):
+        return [0]
+
+    def actions(self, s):
+        return ["inc"] if s < 1000 else []
+
+    def step(self, s, a):
+        return s + 1, ()
+
+
+def test_progress_is_reported_during_the_search():
+    seen = []
+    explore(_Line(), monitor=False, progress=seen.append, progress_interval=0.0)
+    during = [p for p in seen if not p.get("done")]
+    assert [(p["states"], p["transitions"], p["depth"]) for p in during] == [(257, 256, 255), (513, 512, 511),
+                                                                             (769, 768, 767)]
+    assert seen[-1]["done"] and seen[-1]["states"] == 1001 and seen[-1]["depth"] == 1000
+
+
 # -- the command ---------------------------------------------------------------
 
 

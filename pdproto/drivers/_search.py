@@ -376,7 +376,7 @@ class _Search:
                     self.truncated = True
                     break
             else:
-                if progress is not None and (pidx + 1) & 255 == 0:
+                if progress is not None and ((pidx + 1) & 255) == 0:
                     self._tick(transitions)
                 continue
             self.stopped = True
