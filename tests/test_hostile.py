@@ -661,3 +661,48 @@ def test_endless_line_in_bounded_memory():
                           env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
     msg = one_line(proc.returncode, proc.stderr, "/dev/zero:1")
     assert "--max-line-bytes" in msg
+
+
+# Hypothesis: sizes never allocate past the limit, never raise anything else
+
+_SIZES = st.one_of(st.integers(-2, 40), st.integers(0, 10**13), st.just(10**400))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(layers=_SIZES, kv_heads=st.integers(-1, 200), head_dim=_SIZES, block_size=_SIZES,
+       tp=st.tuples(_SIZES, _SIZES), declared=st.lists(_SIZES, max_size=3),
+       ids=st.lists(st.lists(_SIZES, min_size=1, max_size=3), max_size=4))
+def test_generated_replay_sizes(layers, kv_heads, head_dim, block_size, tp, declared, ids):
+    torch_backend = pytest.importorskip("pdproto.backends._torch")
+    from pdproto import Alloc, HistoryHeader, WorkerSpec
+
+    limit = 8 << 20
+    workers = {f"P{i}": WorkerSpec("prefill", n) for i, n in enumerate(declared) if n >= 0}
+    try:
+        backend = torch_backend.TorchBackend(
+            HistoryHeader(workers=workers or None), layers=layers, kv_heads=kv_heads,
+            head_dim=head_dim, block_size=block_size, tp=tp, max_memory=limit)
+    except (UsageError, LimitError):
+        return
+    assert backend.memory <= limit
+    for line, blocks in enumerate(ids, 1):
+        if min(blocks) < 0:
+            continue
+        try:
+            backend.apply(Alloc("r", 0, "D0", tuple(blocks)), line)
+        except LimitError as exc:
+            assert exc.line == line
+        assert backend.memory <= limit
+
+
+@settings(max_examples=40, deadline=None)
+@given(requests=_SIZES, blocks=_SIZES,
+       workers=st.tuples(*[st.sampled_from([None, -1, 0, 1, 2, 7, 10**13, 10**400])] * 2))
+def test_generated_model_sizes(requests, blocks, workers):
+    try:
+        _, info = load_model(None, requests=requests, blocks=blocks, prefill_workers=workers[0],
+                             decode_workers=workers[1])
+    except UsageError as exc:
+        assert exc.what in ("--requests", "--blocks", "--workers")
+    else:
+        assert info.config.requests == requests and info.config.blocks == blocks

@@ -36,8 +36,8 @@ __all__ = ["load_model", "list_models", "ModelInfo", "MAX_REQUESTS", "MAX_BLOCKS
 #: exhaustive search can finish (see :func:`reach_warning`), but small enough
 #: that building the model itself stays instant.
 MAX_REQUESTS = 64
-MAX_BLOCKS = 4096
-MAX_WORKERS = 64
+MAX_BLOCKS = 1024
+MAX_WORKERS = 6
 
 # keyword of load_model -> the command-line flag that sets it
 _FLAGS = {
