@@ -7,10 +7,11 @@ import json
 from typing import Any
 
 from ..drivers._audit import AuditResult, audit
-from ..spec._history import POLICIES
+from ..spec._history import MAX_LINE_BYTES, POLICIES
 from ..spec._monitor import INVARIANTS
 from .._errors import UsageError
 from . import EXIT_OK, EXIT_VIOLATION
+from ._args import esc, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         + ", ".join(INVARIANTS)
         + ")",
     )
+    p.add_argument("--max-line-bytes", type=positive_int, default=MAX_LINE_BYTES, metavar="N",
+                   help=f"longest line accepted, in bytes (default {MAX_LINE_BYTES:,})")
     p.set_defaults(run=run)
 
 
@@ -66,7 +69,8 @@ def split_skip(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace, console: Any) -> int:
     args.skip = split_skip(args)
-    result = audit(args.file, policy=args.policy, complete=args.complete, skip=args.skip)
+    result = audit(args.file, policy=args.policy, complete=args.complete, skip=args.skip,
+                   max_line_bytes=args.max_line_bytes)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -81,7 +85,7 @@ def _print_report(console: Any, path: str, result: AuditResult) -> None:
     violations = result.violations
     mode = f"policy {result.policy}, " + ("complete" if result.complete else "not complete")
     console.print(
-        f"[bold]{name}[/]: {result.events} events, {result.requests} requests ({mode})"
+        f"[bold]{esc(name)}[/]: {result.events} events, {result.requests} requests ({mode})"
     )
     if not violations:
         console.print("[green]ok[/]: no invariant violated")
@@ -97,7 +101,7 @@ def _print_report(console: Any, path: str, result: AuditResult) -> None:
     table.add_column("message")
     table.add_column("witness")
     for v in violations:
-        table.add_row(str(v.line), v.invariant, v.message, ", ".join(map(str, v.witness)) or "-")
+        table.add_row(str(v.line), esc(v.invariant), esc(v.message), ", ".join(map(str, v.witness)) or "-")
     console.print(table)
     console.print(f"[red]{len(violations)} violation(s)[/]: {summarize(violations)}")
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from .._errors import UsageError
 from ..spec._history import POLICIES
 from . import EXIT_OK, EXIT_VIOLATION, positive_int
+from ._args import check_output_path, esc
 
 GRAPH_LIMIT = 20_000
 #: with --backend torch: the search stops here unless --max-states says otherwise ...
@@ -83,11 +85,15 @@ def run(args: argparse.Namespace, console: Any) -> int:
         raise UsageError("--graph", args.graph, "a file name ending in .graphml or .dot")
     if args.graph is not None and args.fingerprint:
         raise UsageError("--graph with --fingerprint", args.graph, "exact mode (drop --fingerprint)")
+    check_output_path(args.out, "--out")  # before the run, not at its end
+    check_output_path(args.graph, "--graph")
     backend_opts = _backend_options(args)
     faults = parse_faults(args.faults) if args.faults is not None else None
     model, info = load_model(
         args.model, mode=args.policy, requests=args.requests, blocks=args.blocks, faults=faults
     )
+    for warning in info.warnings:  # one plain line each, never wrapped
+        print(f"pdproto check: warning: {warning}", file=sys.stderr)
     max_states = args.max_states
     backend = None
     if backend_opts is not None:
@@ -219,7 +225,7 @@ def _list(args: argparse.Namespace, console: Any, models: list) -> int:
     table.add_column("expected invariant")
     table.add_column("what it models")
     for name, expected, doc in models:
-        table.add_row(name, expected or "none (correct)", doc)
+        table.add_row(esc(name), esc(expected or "none (correct)"), esc(doc))
     console.print(table)
     return EXIT_OK
 
@@ -265,12 +271,12 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
     from rich.table import Table
 
     verdict = "[bold green]OK[/]" if result.ok else "[bold red]FAILED[/]"
-    table = Table(title=f"pdproto check {info.spec}: {verdict}", title_justify="left", show_header=False)
+    table = Table(title=f"pdproto check {esc(info.spec)}: {verdict}", title_justify="left", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value", overflow="fold")
-    table.add_row("model", str(result.model))
+    table.add_row("model", esc(result.model))
     if info.config is not None:
-        table.add_row("configuration", _config_text(info.config))
+        table.add_row("configuration", esc(_config_text(info.config)))
     if info.has_expected:
         table.add_row("expected", info.expected or "no violation (correct model)")
     table.add_row("distinct states", f"{result.states:,}" + ("" if result.complete else
@@ -319,7 +325,7 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
                 "state-invariant": "state invariant"}[cx.kind]
         console.print()
         console.print(f"[bold red]{kind}: {cx.invariant}[/] ({len(cx.trace)} steps, shortest): ",
-                      cx.message, sep="", markup=True, highlight=False)
+                      esc(cx.message), sep="", markup=True, highlight=False)
         steps = Table(show_lines=False)
         steps.add_column("#", justify="right")
         steps.add_column("actor")
@@ -327,15 +333,15 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
         steps.add_column("events")
         for s in cx.trace:
             action = str(s.action) + (" [fault]" if s.fault else "")
-            steps.add_row(str(s.index), s.actor or "?", action,
-                          "\n".join(_event_text(e) for e in s.events) or "-")
+            steps.add_row(str(s.index), esc(s.actor or "?"), esc(action),
+                          esc("\n".join(_event_text(e) for e in s.events) or "-"))
         console.print(steps)
         if cx.kind == "deadlock":
             console.print("no action is enabled after the last step, and the history ends here.")
     if written is not None:
-        console.print(f"counterexample written to {written} (check it with: pdproto audit {written})")
+        console.print(f"counterexample written to {esc(written)} (check it with: pdproto audit {esc(written)})")
     elif args.out is not None:
-        console.print(f"no counterexample; {args.out} not written")
+        console.print(f"no counterexample; {esc(args.out)} not written")
 
 
 def _count(n: int) -> str:

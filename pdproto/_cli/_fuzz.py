@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from typing import Any
 
 from .._errors import UsageError
 from ..spec._history import POLICIES
+from .._errors import parse_int
 from . import EXIT_OK, EXIT_VIOLATION, positive_int
+from ._args import check_output_path, esc
 
 
 def add_parser(sub: Any) -> None:
@@ -60,9 +61,12 @@ def add_parser(sub: Any) -> None:
 
 def parse_workers(text: str) -> tuple[int, int]:
     p, sep, d = text.partition(":")
-    if not sep or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
-        raise UsageError("--workers", text, "P:D with two integers >= 1, e.g. 2:2")
-    return int(p), int(d)
+    try:
+        if not sep:
+            raise UsageError("--workers", text, "P:D")
+        return parse_int(p, "--workers", minimum=1), parse_int(d, "--workers", minimum=1)
+    except UsageError:
+        raise UsageError("--workers", text, "P:D with two integers >= 1, e.g. 2:2") from None
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
@@ -76,10 +80,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         args.model, mode=args.policy, requests=args.requests, blocks=args.blocks, faults=faults,
         prefill_workers=workers[0], decode_workers=workers[1],
     )
-    if args.out is not None:
-        parent = os.path.dirname(os.path.abspath(args.out))
-        if not os.path.isdir(parent):
-            raise UsageError("--out", args.out, "a file in an existing directory")
+    check_output_path(args.out, "--out")  # before the run, not at its end
     backend = None
     if args.backend == "torch":
         if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -139,7 +140,7 @@ def _report(console: Any, result: dict[str, Any], failure: Any) -> None:
     from rich.table import Table
 
     verdict = "[green]ok[/]" if result["ok"] else "[red]VIOLATION[/]"
-    table = Table(title=f"pdproto fuzz {result['model']}: {verdict}", show_header=False)
+    table = Table(title=f"pdproto fuzz {esc(result['model'])}: {verdict}", show_header=False)
     for key in ("examples", "steps", "teardown_steps", "seconds", "steps_per_second",
                 "examples_per_second", "distinct_states", "reachable_states", "coverage"):
         if result.get(key) is not None:
@@ -152,7 +153,7 @@ def _report(console: Any, result: dict[str, Any], failure: Any) -> None:
     if failure is None:
         return
     v = failure.violation
-    console.print(f"[red]{v.invariant}[/] at history line {v.line}: {v.message}", markup=True)
+    console.print(f"[red]{esc(v.invariant)}[/] at history line {v.line}: {esc(v.message)}", markup=True)
     steps = Table(title=f"shrunk counterexample: {len(failure.trace)} steps")
     steps.add_column("#", justify="right")
     steps.add_column("actor")
@@ -160,7 +161,7 @@ def _report(console: Any, result: dict[str, Any], failure: Any) -> None:
     steps.add_column("events")
     for i, (actor, action, events) in enumerate(failure.trace, 1):
         evs = "\n".join(json.dumps(e.to_dict()) for e in events) or "-"
-        steps.add_row(str(i), actor, str(action) + (" [fault]" if action.fault else ""), evs)
+        steps.add_row(str(i), esc(actor), esc(str(action) + (" [fault]" if action.fault else "")), esc(evs))
     console.print(steps)
     if failure.history:
-        console.print(f"history written to {failure.history}: pdproto audit {failure.history}")
+        console.print(f"history written to {esc(failure.history)}: pdproto audit {esc(failure.history)}")

@@ -8,9 +8,10 @@ import json
 from typing import Any
 
 from ..drivers._replay import ReplayResult, level, replay
-from ..spec._history import POLICIES
+from ..spec._history import MAX_LINE_BYTES, POLICIES
 from ..spec._monitor import INVARIANTS
 from . import EXIT_OK, EXIT_VIOLATION
+from ._args import esc, int_type, positive_int, size_type
 from ._audit import summarize
 
 BACKENDS = ("torch",)
@@ -36,10 +37,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES, help="KV dtype (default bfloat16)")
     p.add_argument("--tp", default="1:1", metavar="P:D",
                    help="tensor-parallel sizes of prefill and decode workers (default 1:1)")
-    p.add_argument("--layers", type=int, default=2, help="layers (default 2)")
-    p.add_argument("--kv-heads", type=int, default=4, help="KV heads (default 4)")
-    p.add_argument("--head-dim", type=int, default=8, help="head dimension, >= 5 (default 8)")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--layers", type=int_type(), default=2, help="layers (default 2)")
+    p.add_argument("--kv-heads", type=int_type(), default=4, help="KV heads (default 4)")
+    p.add_argument("--head-dim", type=int_type(), default=8, help="head dimension, >= 5 (default 8)")
+    p.add_argument("--block-size", type=int_type(), default=None,
                    help="tokens per block (default: the header's block_size, else 4)")
     p.add_argument("--policy", choices=POLICIES, default=None,
                    help="protocol family for the monitor (overrides the header)")
@@ -48,6 +49,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip", default="", metavar="INVARIANT[,INVARIANT]",
                    help="monitor invariant ids not to report, comma-separated")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--max-memory", type=size_type, default=None, metavar="SIZE",
+                   help="most memory the KV pools may take, e.g. 16G (default 4G); computed before "
+                   "anything is allocated")
+    p.add_argument("--max-line-bytes", type=positive_int, default=MAX_LINE_BYTES, metavar="N",
+                   help=f"longest history line accepted, in bytes (default {MAX_LINE_BYTES:,})")
     p.set_defaults(run=run)
 
 
@@ -57,6 +63,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         args.file, device=args.device, dtype=args.dtype, tp=args.tp, layers=args.layers,
         kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
         policy=args.policy, complete=args.complete, skip=skip,
+        max_line_bytes=args.max_line_bytes, max_memory=args.max_memory,
     )
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -71,7 +78,7 @@ def _print_report(console: Any, path: str, result: ReplayResult) -> None:
     name = "<stdin>" if path == "-" else path
     b = result.backend
     console.print(
-        f"[bold]{name}[/]: {result.events} events, {result.requests} requests, replayed on "
+        f"[bold]{esc(name)}[/]: {result.events} events, {result.requests} requests, replayed on "
         f"{b['device']} ({b['dtype']}, {b['layers']} layers x {b['kv_heads']} KV heads x head dim "
         f"{b['head_dim']}, block size {b['block_size']}, tp {b['tp'][0]}:{b['tp'][1]}); "
         f"{b['bytes_copied']} bytes transferred",
@@ -88,7 +95,8 @@ def _print_report(console: Any, path: str, result: ReplayResult) -> None:
     table.add_column("message")
     table.add_column("witness")
     for v in violations:
-        table.add_row(str(v.line), level(v), v.invariant, v.message, ", ".join(map(str, v.witness)) or "-")
+        table.add_row(str(v.line), level(v), esc(v.invariant), esc(v.message),
+                      ", ".join(map(str, v.witness)) or "-")
     console.print(table)
     console.print(f"[red]{len(violations)} violation(s)[/]: {summarize(violations)}")
 

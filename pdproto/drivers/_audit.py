@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 import attrs
 
-from ..spec._history import HistoryHeader, open_history
+from ..spec._history import MAX_LINE_BYTES, HistoryHeader, open_history
 from ..spec._monitor import Monitor, Violation, check_invariant_ids
 
 
@@ -49,6 +49,7 @@ def audit(
     policy: str | None = None,
     complete: bool = False,
     skip: Iterable[str] = (),
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> AuditResult:
     """Audit the history at ``path`` (``"-"``: standard input).
 
@@ -64,7 +65,7 @@ def audit(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with open_history(os.fspath(path)) as reader:
+        with open_history(os.fspath(path), max_line_bytes=max_line_bytes) as reader:
             monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
             feed = monitor.feed
             for line, event in reader:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Mapping
 import attrs
 
 from .._errors import MissingExtraError, PdprotoError, UsageError
-from ..spec._history import open_history
+from ..spec._history import MAX_LINE_BYTES, open_history
 from ..spec._monitor import Monitor, Violation, check_invariant_ids
 
 #: the invariant id of the data-level check (the backend's)
@@ -114,6 +114,8 @@ def replay(
     policy: str | None = None,
     complete: bool = False,
     skip: Iterable[str] = (),
+    max_line_bytes: int = MAX_LINE_BYTES,
+    max_memory: int | None = None,
 ) -> ReplayResult:
     """Replay the history at ``path`` (``"-"``: standard input) on one paged
     KV pool per worker, with the monitor judging it.
@@ -125,11 +127,12 @@ def replay(
     tb = load_torch_backend()
     skipped = check_invariant_ids(skip)
     _check_shapes(layers, kv_heads, head_dim, block_size)
-    with open_history(os.fspath(path)) as reader:
+    with open_history(os.fspath(path), max_line_bytes=max_line_bytes) as reader:
         monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
+        limit = {} if max_memory is None else {"max_memory": max_memory}  # default: the backend's
         backend = tb.TorchBackend(reader.header, device=device, dtype=dtype, tp=tb.parse_tp(tp),
                                   layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-                                  block_size=block_size)
+                                  block_size=block_size, **limit)
         feed, apply = monitor.feed, backend.apply
         for line, event in reader:
             feed(event, line)
