@@ -604,6 +604,10 @@ def test_replay_sizes_are_refused_in_bounded_memory(tmp_path):
         (["replay", "--layers", "1000000000", ok], "--max-memory"),
         (["replay", "--tp", "400000000:1", ok], "--max-memory"),
         (["replay", "--tp", "\u00b2:1", ok], "--tp"),
+        (["replay", "--max-memory", "1K", ok], "--max-memory"),
+        (["replay", "--max-memory", "\u00b2G", ok], "--max-memory"),
+        (["replay", "--layers", "\u0663", ok], "--layers"),
+        (["replay", "--max-line-bytes", "10", ok], "--max-line-bytes"),
         (["replay", "--head-dim", "100000000", ok], "--max-memory"),
         (["replay", _hist(tmp_path, "hb.jsonl",
                              '{"pdproto":"history","version":1,"workers":{"P0":{"role":"prefill","blocks":%d}}}' % 10**12)],
@@ -709,3 +713,18 @@ def test_generated_model_sizes(requests, blocks, workers):
         assert exc.what in ("--requests", "--blocks", "--workers")
     else:
         assert info.config.requests == requests and info.config.blocks == blocks
+
+
+def test_max_line_bytes_raises_the_cap(capsys, tmp_path):
+    path = write(tmp_path, "h.jsonl", jl({**SUBMIT, "note": "x" * 300}))
+    one_line(*run(capsys, "audit", "--max-line-bytes", "100", path)[::2], path + ":1", "--max-line-bytes")
+    code, out, err = run(capsys, "audit", "--max-line-bytes", "1000", "--json", path)
+    assert code == 0 and err == "" and json.loads(out)["events"] == 1
+
+
+def test_check_warns_in_one_line_when_out_of_reach(capsys):
+    code, out, err = run(capsys, "check", "--requests", "6", "--max-states", "20", "--json")
+    assert code in (0, 1) and "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pdproto check: warning:") and "out of reach" in lines[0]
+    json.loads(out)
