@@ -108,12 +108,6 @@ def ready_gone(m: Any, s: Any, r: int, q: Req) -> bool:
     return not m.has_msg(s, r, q.gen)
 
 
-def deadline_open(m: Any, s: Any, r: int, q: Req) -> bool:
-    """The handoff deadline has not expired by itself (``expire`` is not enabled)."""
-    expire = m.table.expire
-    return not (q.ph in expire.phases and expire.guard(m, s, r, q))
-
-
 def ended_clean(m: Any, s: Any, r: int, q: Req) -> bool:
     return not q.src and not q.dst and m.xfer_of(s, r) < 0
 
@@ -132,18 +126,6 @@ def _end_with(how: Any, reason: str | None) -> Any:
 
 
 # transfers
-
-
-def not_doomed(m: Any, s: Any, x: Xfer) -> bool:
-    return not x.doomed
-
-
-def must_fail(m: Any, s: Any, x: Xfer) -> bool:
-    return x.aborted or x.doomed
-
-
-def may_fail(m: Any, s: Any, x: Xfer) -> bool:
-    return not (x.aborted or x.doomed)
 
 
 def xfer_done(m: Any, s: Any, i: int, x: Xfer, ev: list) -> Any:
@@ -184,14 +166,6 @@ def on_xfer_failed(m: Any, s: Any, x: Xfer, q: Req, ev: list) -> Any:
 
 
 # messages (deliver, reorder, dup, lose) and their receivers
-
-
-def oldest(m: Any, s: Any, i: int, msg: Any) -> bool:
-    return i == 0
-
-
-def not_oldest(m: Any, s: Any, i: int, msg: Any) -> bool:
-    return i != 0
 
 
 def dup_allowed(m: Any, s: Any, i: int, msg: Any) -> bool:
@@ -334,19 +308,20 @@ CANCEL = Rule(
     None, _end_with(CANCELLED, None), fault="cancel", calls=CLEANUP,
 )
 TIMEOUT = Rule(
-    "timeout", R, "router", "a live generation before commit whose deadline has not expired by itself",
+    "timeout", R, "router", "a live generation before commit",
     "the handoff deadline expires early: the generation fails; cleanup", ("fail",),
-    deadline_open, _end_with(FAILED, "timeout"), fault="timeout", phases=BEFORE_COMMIT, calls=CLEANUP,
+    None, _end_with(FAILED, "timeout"), fault="timeout", phases=BEFORE_COMMIT, calls=CLEANUP, unless="expire",
 )
 TRANSFER_RULES = (
     Rule("xfer_done", T, "xfer", "transfer in flight (aborted or not), neither endpoint restarted",
          "every read and write landed; the initiator's completion handler runs",
-         ("transfer_read_done", "transfer_write_done"), not_doomed, xfer_done, calls=("on_xfer_done",)),
+         ("transfer_read_done", "transfer_write_done"), None, xfer_done, calls=("on_xfer_done",),
+         at=("running", "aborted")),
     Rule("xfer_fail", T, "xfer", "aborted, or an endpoint restarted", "the transfer ends without success",
-         ("transfer_failed",), must_fail, xfer_fail, calls=("on_xfer_failed",)),
+         ("transfer_failed",), None, xfer_fail, calls=("on_xfer_failed",), at=("aborted", "doomed")),
     Rule("xfer_fault", T, "xfer", "any other transfer in flight", "the data plane fails the transfer",
-         ("transfer_failed",), may_fail, xfer_fail, fault="transfer_fail", action="xfer_fail",
-         calls=("on_xfer_failed",)),
+         ("transfer_failed",), None, xfer_fail, fault="transfer_fail", action="xfer_fail",
+         calls=("on_xfer_failed",), at=("running",)),
 )
 ON_XFER_FAILED = Rule(
     "on_xfer_failed", H, "initiator", "a transfer ended without success",
@@ -354,9 +329,9 @@ ON_XFER_FAILED = Rule(
 )
 RECEIVE = "the receiver runs its recv_ rule; a message of an old incarnation of its sender is dropped"
 MESSAGE_RULES = (
-    Rule("deliver", M, "net", "the oldest message in flight", RECEIVE, (), oldest, deliver),
-    Rule("reorder", M, "net", "a message in flight other than the oldest", RECEIVE, (), not_oldest, deliver,
-         fault="reorder", action="deliver"),
+    Rule("deliver", M, "net", "the oldest message in flight", RECEIVE, (), None, deliver, at=("oldest",)),
+    Rule("reorder", M, "net", "a message in flight other than the oldest", RECEIVE, (), None, deliver,
+         fault="reorder", action="deliver", at=("other",)),
     Rule("dup", M, "net", "a message in flight (not the oldest: also spends reorder)",
          "the receiver handles it and the message stays in flight", (), dup_allowed, dup, fault="dup"),
     Rule("lose", M, "net", "a message in flight", "the message is gone", (), None, lose, fault="loss"),

@@ -42,7 +42,7 @@ from ..spec._history import HistoryHeader, WorkerSpec
 from ._config import FAULT_KINDS, ModelConfig
 from ._model import Action, ActionNotEnabled, Renaming
 from ._push_pull import REFERENCE
-from ._rules import Kind, Rule, RuleBook, RuleTable
+from ._rules import AT, Kind, Rule, RuleBook, RuleTable
 from ._state import CANCELLED, COMMITTED, FAILED, FINISHED, End, HState, Msg, MsgKind, Phase, Req, Xfer, XferState
 from ._state import new, with_end, with_msgs, with_ndec, with_ph, with_reqs, with_xfers, with_xs
 from ._symmetry import HandoffSymmetry
@@ -59,6 +59,34 @@ _CLIENT, _REQUEST, _TRANSFER, _MESSAGE, _WORKER = Kind.ACTIONS
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _entries(rules: list[Rule], guards: dict | None = None) -> tuple:
+    """``(slot, fault index or -1, guard)`` of each rule, in table order."""
+    return tuple(
+        (j, FAULT_KINDS.index(rule.fault) if rule.fault else -1, (guards or {}).get(rule.name, rule.guard))
+        for j, rule in enumerate(rules)
+        if guards is None or rule.name in guards
+    )
+
+
+def _cell(rules: list[Rule], end: End, ph: Phase) -> tuple:
+    """The entries of the request rules that may fire on a record in ``end`` and ``ph``."""
+    here = {rule.name: rule for rule in rules if end in rule.ends and ph in rule.phases}
+    guards = {}
+    for name, rule in here.items():
+        other = here.get(rule.unless) if rule.unless else None
+        if other is None:
+            guards[name] = rule.guard
+        elif other.guard is not None:  # offered only where ``other`` is not
+            guards[name] = _unless(other.guard, rule.guard)
+    return _entries(rules, guards)
+
+
+def _unless(other: Callable[..., bool], own: Callable[..., bool] | None) -> Callable[..., bool]:
+    if own is None:
+        return lambda m, s, r, q: not other(m, s, r, q)
+    return lambda m, s, r, q: not other(m, s, r, q) and own(m, s, r, q)
 
 
 class HandoffModel:
@@ -198,7 +226,9 @@ class HandoffModel:
 
     def _compile(self, table: RuleTable) -> None:
         """Group the action rules in runs of one kind (in table order) and
-        precompute what ``_actions`` checks per run."""
+        precompute, per run, the entries ``(slot, fault index or -1, guard)``
+        that ``_actions`` checks: for request rules per (end, phase), for
+        message and transfer rules per place (:data:`AT`)."""
         runs: list[tuple[str, list[Rule]]] = []
         for rule in table:
             if rule.kind == Kind.HANDLER:
@@ -209,16 +239,14 @@ class HandoffModel:
                 runs.append((rule.kind, [rule]))
         plan = []
         for n, (kind, rules) in enumerate(runs):
-            entries = tuple(
-                (j, FAULT_KINDS.index(rule.fault) if rule.fault else -1, rule.guard) for j, rule in enumerate(rules)
-            )
             if kind == _REQUEST:
-                # per (end, phase): the rules that may fire there, checked in table order
+                entries: Any = tuple(tuple(_cell(rules, end, ph) for ph in Phase) for end in End)
+            elif kind in AT:
                 entries = tuple(
-                    tuple(tuple(e for e, rule in zip(entries, rules) if end in rule.ends and ph in rule.phases)
-                          for ph in Phase)
-                    for end in End
+                    _entries(rules, {r.name: r.guard for r in rules if not r.at or where in r.at}) for where in AT[kind]
                 )
+            else:
+                entries = _entries(rules)
             plan.append((Kind.ACTIONS[Kind.ACTIONS.index(kind)], n, entries, tuple(rules), {}))
         self._plan = tuple(plan)
         self._recv = tuple(table.get("recv_" + kind.word) for kind in MsgKind)
@@ -277,19 +305,21 @@ class HandoffModel:
         for run in self._plan:
             kind, _, plan, _, _ = run
             if kind is _REQUEST:
+                cache = run[4]
                 for r, q in enumerate(reqs):
-                    if q[0] < 0:
+                    if q.gen < 0:
                         continue
                     acts = None
                     for j, k, guard in plan[q.end][q.ph]:
                         if (k < 0 or budget[k]) and (guard is None or guard(self, s, r, q)):
                             if acts is None:
-                                acts = self._run_actions(run, (r, q.p, q.d))
+                                key = (r, q.p, q.d)
+                                acts = cache.get(key) or self._run_actions(run, key)
                             add(acts[j])
             elif kind is _TRANSFER:
                 for x in xfers:
                     acts = None
-                    for j, k, guard in plan:
+                    for j, k, guard in plan[2 if x.doomed else x.aborted]:  # AT["transfer"]
                         if (k < 0 or budget[k]) and (guard is None or guard(self, s, x)):
                             if acts is None:
                                 acts = self._run_actions(run, (x.r, x.gen))
@@ -297,7 +327,7 @@ class HandoffModel:
             elif kind is _MESSAGE:
                 for i, m in enumerate(msgs):
                     acts = None
-                    for j, k, guard in plan:
+                    for j, k, guard in plan[i > 0]:  # AT["message"]
                         if (k < 0 or budget[k]) and (guard is None or guard(self, s, i, m)):
                             if acts is None:
                                 acts = self._run_actions(run, (i, m.kind, m.r, m.gen))

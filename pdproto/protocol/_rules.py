@@ -22,7 +22,16 @@ import attrs
 from ..spec._events import EVENT_TYPES
 from ._state import Phase, End
 
-__all__ = ["Kind", "Rule", "RuleTable", "RuleBook"]
+__all__ = ["Kind", "Rule", "RuleTable", "RuleBook", "AT"]
+
+#: Where a message or transfer rule applies, checked before its guard:
+#: the oldest message in flight or another one; a transfer running (neither
+#: aborted nor doomed), aborted by its initiator, or doomed (an endpoint
+#: restarted).
+AT = {
+    "message": ("oldest", "other"),
+    "transfer": ("running", "aborted", "doomed"),
+}
 
 
 class Kind:
@@ -69,8 +78,11 @@ class Rule:
     name unless given: a reordered delivery is a ``deliver``); ``fault`` the
     fault kind whose budget gates it and that it spends; ``phases`` and
     ``ends`` (request rules) the records it may fire on, checked before the
-    guard.  ``guard`` ``None`` means always; ``calls`` names the handler
-    rules the effect may run (their events count as this rule's too).
+    guard; ``at`` (message and transfer rules) likewise, from :data:`AT`
+    (empty: everywhere).  ``guard`` ``None``
+    means always; ``unless`` names an earlier rule of the same run that,
+    where enabled, disables this one; ``calls`` names the handler rules the
+    effect may run (their events count as this rule's too).
     """
 
     name: str
@@ -85,16 +97,25 @@ class Rule:
     phases: tuple = attrs.field(default=tuple(Phase)[1:], converter=tuple)
     ends: tuple = attrs.field(default=(End.LIVE,), converter=tuple)
     calls: tuple = attrs.field(default=(), converter=tuple)  # handler rules its effect may run
+    unless: str | None = None  # offered only where this other rule of the same kind is not
+    at: tuple = attrs.field(default=(), converter=tuple)  # message/transfer rules: where (see AT); () everywhere
     action: str = attrs.field()
 
     @action.default
     def _action_default(self) -> str:
         return self.name
 
+    def __attrs_post_init__(self) -> None:
+        wrong = [a for a in self.at if a not in AT.get(self.kind, ())]
+        if wrong:
+            raise ValueError(f"rule {self.name!r}: at {wrong!r} is not one of {AT.get(self.kind, ())!r}")
+
     def row(self) -> dict[str, str]:
         """This rule's row of the transition table."""
         label = self.name if self.action == self.name else f"{self.name} ({self.action})"
         when = f"[fault: {self.fault}] {self.when}" if self.fault else self.when
+        if self.unless:
+            when += f" (unless {self.unless})"
         return {
             "action": label,
             "kind": self.kind,
