@@ -357,6 +357,23 @@ CLEANUP_RULES = (
          "D frees its target blocks", ("free",), untouched, free_target),
 )
 
+
+
+def _expire(awaiting: str, phase: Phase, guard: Any) -> Rule:
+    return Rule(
+        "expire", R, "router", f"{awaiting} in flight (lost, or dropped as stale)",
+        "the handoff deadline expires: the generation fails; cleanup", ("fail",),
+        guard, _end_with(FAILED, "deadline"), phases=(phase,), calls=CLEANUP,
+    )
+
+
+def _on_xfer_done(actor: str, then: str, event: str, effect: Any) -> Rule:
+    return Rule(
+        "on_xfer_done", H, actor, "the transfer completed", f"an ended generation gets its cleanup; else {then}",
+        (event,), None, effect, calls=CLEANUP,
+    )
+
+
 PUSH = RuleTable("push", (
     SUBMIT,
     Rule("reserve", R, "D", "queued (Q) and D has free blocks", "D takes target blocks under ticket t:r:gen",
@@ -371,14 +388,10 @@ PUSH = RuleTable("push", (
          "the generation finishes; cleanup (D frees its target)", ("finish",),
          may_finish, _end_with(FINISHED, None), phases=(COMMITTED,), calls=CLEANUP),
     CANCEL,
-    Rule("expire", R, "router", "transfer done and no notify in flight (lost, or dropped as stale)",
-         "the handoff deadline expires: the generation fails; cleanup", ("fail",),
-         notify_gone, _end_with(FAILED, "deadline"), phases=(TRANSFERRING,), calls=CLEANUP),
+    _expire("transfer done and no notify", TRANSFERRING, notify_gone),
     TIMEOUT,
     *TRANSFER_RULES,
-    Rule("on_xfer_done", H, "P", "the transfer completed",
-         "an ended generation gets its cleanup; else P frees its source and sends notify to D",
-         ("free",), None, on_xfer_done_push, calls=CLEANUP),
+    _on_xfer_done("P", "P frees its source and sends notify to D", "free", on_xfer_done_push),
     ON_XFER_FAILED,
     *MESSAGE_RULES,
     Rule("recv_notify", H, "D",
@@ -405,14 +418,10 @@ PULL = RuleTable("pull", (
          "P's source lease expires: P frees the source", ("free",),
          source_lease_over, p_lease, fault="timeout", phases=(COMMITTED,)),
     CANCEL,
-    Rule("expire", R, "router", "prefilled (F) and no ready in flight (lost, or dropped as stale)",
-         "the handoff deadline expires: the generation fails; cleanup", ("fail",),
-         ready_gone, _end_with(FAILED, "deadline"), phases=(PREFILLED,), calls=CLEANUP),
+    _expire("prefilled (F) and no ready", PREFILLED, ready_gone),
     TIMEOUT,
     *TRANSFER_RULES,
-    Rule("on_xfer_done", H, "D", "the transfer completed",
-         "an ended generation gets its cleanup; else D commits and sends release to P",
-         ("commit",), None, on_xfer_done_pull, calls=CLEANUP),
+    _on_xfer_done("D", "D commits and sends release to P", "commit", on_xfer_done_pull),
     ON_XFER_FAILED,
     *MESSAGE_RULES,
     Rule("recv_ready", H, "D", "ready: same generation, live, prefilled (F)",

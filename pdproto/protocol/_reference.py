@@ -165,19 +165,13 @@ class HandoffModel:
 
     def tid(self, r: int, gen: int) -> str:
         """``transfer_id(r, gen)``, one string object per id."""
-        key = (r, gen)
-        t = self._tids.get(key)
-        if t is None:
-            t = self._tids[key] = self.transfer_id(r, gen)
-        return t
+        t = self._tids.get((r, gen))
+        return t if t is not None else self._tids.setdefault((r, gen), self.transfer_id(r, gen))
 
     def tk(self, r: int, gen: int) -> str:
         """``ticket(r, gen)``, one string object per id."""
-        key = (r, gen)
-        t = self._tks.get(key)
-        if t is None:
-            t = self._tks[key] = self.ticket(r, gen)
-        return t
+        t = self._tks.get((r, gen))
+        return t if t is not None else self._tks.setdefault((r, gen), self.ticket(r, gen))
 
     # -- Model interface -------------------------------------------------
 
