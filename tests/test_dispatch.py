@@ -72,3 +72,17 @@ def test_every_per_kind_table_is_complete(module):
         keys = set(table)
         assert keys in (set(CLASSES), set(KINDS)), f"{module}.{name} misses {sorted(map(str, (CLASSES | KINDS) - keys))}"
 
+
+
+def test_torch_backend_rejects_a_foreign_object_and_changes_nothing():
+    pytest.importorskip("torch")
+    from pdproto import HistoryHeader, Submit, TorchBackend, UsageError
+
+    backend = TorchBackend(HistoryHeader())
+    backend.apply(Submit("r1", 0, prompt_len=4))
+    before = (backend.line, backend.events, list(backend.violations))
+    for foreign in ({"ev": "submit", "request": "r2", "gen": 0}, "submit", None):
+        with pytest.raises(UsageError) as info:
+            backend.apply(foreign)  # type: ignore[arg-type]
+        assert info.value.value == foreign
+        assert (backend.line, backend.events, list(backend.violations)) == before

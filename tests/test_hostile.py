@@ -323,9 +323,6 @@ def test_unicode_digits_and_bad_integers(capsys, argv):
     one_line(*run(capsys, *argv)[::2], argv[-2])
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="pdproto/protocol/_config.py parse_faults (helper A) still checks str.isdigit "
-                   "and calls int(): it should use pdproto._errors.parse_int")
 def test_unicode_digits_in_fault_budgets(capsys):
     one_line(*run(capsys, "check", "--faults", "cancel=\u00b2")[::2], "cancel=\u00b2")
 

@@ -208,6 +208,8 @@ def _config_dict(config: Any) -> Any:
             out = attrs.asdict(config)
             if isinstance(out.get("faults"), dict):
                 out["faults"] = {k: v for k, v in out["faults"].items() if v}
+            if "policy" in out and "mode" not in out:  # "mode": the key's name before "policy"
+                out = {"mode": out["policy"], **out}
             return out
     except Exception:  # pragma: no cover - best effort
         pass

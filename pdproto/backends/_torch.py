@@ -424,12 +424,13 @@ class TorchBackend:
 
     def apply(self, event: Event, line: int | None = None) -> list[Violation]:
         """Execute one event; return the data-level violations it made visible."""
+        handler = _DISPATCH.get(type(event))
+        if handler is None:  # refused before anything changes, as the monitor does
+            raise UsageError("event", event, "one of the event classes " + ", ".join(c.__name__ for c in _DISPATCH))
         self.line = self.line + 1 if line is None else line
         self.events += 1
         out = self._out = []
-        handler = _DISPATCH.get(type(event))
-        if handler is not None:
-            handler(self, event, self.line)
+        handler(self, event, self.line)
         if out:
             self.violations.extend(out)
         return out

@@ -221,7 +221,7 @@ def load_model(
             raise UsageError(what, value, f"an integer from 1 to {top}")
     overrides: dict[str, Any] = {}
     if policy is not None:
-        overrides["mode"] = policy
+        overrides["policy"] = policy
     if requests is not None:
         overrides["requests"] = requests
     if blocks is not None:

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from .._errors import UsageError
+from .._errors import UsageError, parse_int
 from ..spec._history import POLICIES
 
 __all__ = ["FAULT_KINDS", "ModelConfig", "parse_faults"]
@@ -97,6 +97,11 @@ class ModelConfig:
         return cls(faults={kind: budget for kind in FAULT_KINDS}, **kwargs)  # type: ignore[arg-type]
 
 
+#: The largest budget of one fault kind ``parse_faults`` takes: far past what an
+#: exhaustive search can cover, small enough that a budget is never a huge number.
+MAX_FAULT_BUDGET = 1000
+
+
 def parse_faults(text: str) -> dict[str, int]:
     """Parse ``"cancel=1,dup=2"`` (also ``"all=1"`` and ``"none"``) into budgets."""
     text = text.strip()
@@ -106,9 +111,9 @@ def parse_faults(text: str) -> dict[str, int]:
     for part in text.split(","):
         name, sep, value = part.strip().partition("=")
         name = name.strip()
-        if not sep or not value.strip().isdigit():
+        if not sep:
             raise UsageError("--faults entry", part.strip(), "KIND=N with N an integer >= 0, e.g. cancel=1,dup=1")
-        budget = int(value)
+        budget = parse_int(value, f"budget in --faults {part.strip()}", minimum=0, maximum=MAX_FAULT_BUDGET)
         if name == "all":
             out.update({kind: budget for kind in FAULT_KINDS})
         elif name in FAULT_KINDS:
