@@ -16,6 +16,9 @@ Importing pdproto imports neither torch, rich nor hypothesis.
 """
 
 from ._errors import HistoryFormatError as HistoryFormatError
+from ._errors import LimitError as LimitError
+from ._errors import MissingExtraError as MissingExtraError
+from ._errors import ModelLoadError as ModelLoadError
 from ._errors import PdprotoError as PdprotoError
 from ._errors import UsageError as UsageError
 from .drivers import Counterexample as Counterexample
@@ -81,6 +84,9 @@ __all__ = [
     "PdprotoError",
     "HistoryFormatError",
     "UsageError",
+    "LimitError",
+    "MissingExtraError",
+    "ModelLoadError",
     # the spec: events, histories, the monitor
     "Event",
     "EVENT_TYPES",

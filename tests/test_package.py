@@ -67,3 +67,61 @@ def test_version(capsys):
 
     assert main(["--version"]) == 0
     assert __version__ in capsys.readouterr().out
+
+
+#: The public API.  Adding a name is a decision: add it here too.  Removing or
+#: renaming one breaks users.
+PUBLIC = {
+    # errors
+    "PdprotoError", "HistoryFormatError", "UsageError", "LimitError", "MissingExtraError",
+    "ModelLoadError",
+    # the spec
+    "Event", "EVENT_TYPES", "Submit", "Reserve", "PrefillStart", "PrefillDone", "Alloc",
+    "TransferStart", "TransferReadDone", "TransferWriteDone", "TransferFailed", "TransferAbort",
+    "Commit", "Decode", "Finish", "Cancel", "Fail", "Free", "Restart", "event_from_dict",
+    "FORMAT_VERSION", "HistoryHeader", "HistoryReader", "HistoryWriter", "WorkerSpec",
+    "open_history", "read_events", "write_history", "INVARIANTS", "END_INVARIANTS", "Monitor",
+    "Violation",
+    # the protocol
+    "Action", "ActionNotEnabled", "Model", "Renaming", "FAULT_KINDS", "ModelConfig",
+    "parse_faults", "Handoff", "HandoffModel", "transition_table",
+    # the drivers
+    "explore", "ExploreResult", "Counterexample", "Step", "audit", "AuditResult", "replay",
+    "ReplayResult", "fuzz", "FuzzResult", "load_model", "list_models", "ModelInfo",
+    # the torch backend, loaded on first use
+    "TorchBackend", "KVCorruption", "KV_CORRUPTION",
+}
+
+
+def test_public_api_is_pinned():
+    import pdproto
+
+    assert len(pdproto.__all__) == len(set(pdproto.__all__)), "a name is listed twice"
+    assert set(pdproto.__all__) == PUBLIC
+
+
+def test_cost_names_live_under_pdproto_cost():
+    import pdproto
+    import pdproto.cost
+
+    for name in ("CostModel", "KVShape", "Link", "Timing", "estimate", "DTYPE_BYTES"):
+        assert name in pdproto.cost.__all__
+        assert not hasattr(pdproto, name), name
+
+
+def test_every_exported_name_resolves():
+    """Every subpackage's ``__all__`` names something that exists (torch names
+    of pdproto.backends only where torch is installed)."""
+    import importlib
+    import importlib.util
+
+    has_torch = importlib.util.find_spec("torch") is not None
+    for name in ("pdproto", "pdproto.spec", "pdproto.protocol", "pdproto.backends",
+                 "pdproto.drivers", "pdproto.cost", "pdproto.testing"):
+        module = importlib.import_module(name)
+        assert module.__all__, name
+        lazy = set(getattr(module, "_LAZY", ()))
+        for attr in module.__all__:
+            if attr in lazy and not has_torch:
+                continue
+            assert getattr(module, attr) is not None, f"{name}.{attr}"
