@@ -19,15 +19,14 @@ import sys
 from typing import NoReturn
 
 from .._errors import PdprotoError
+from ._args import EXIT_BAD_INPUT as EXIT_BAD_INPUT
+from ._args import EXIT_OK as EXIT_OK
+from ._args import EXIT_VIOLATION as EXIT_VIOLATION
 from ._args import positive_int as positive_int
 from ._args import print_error
 
 __all__ = ["COMMANDS", "EXIT_OK", "EXIT_VIOLATION", "EXIT_BAD_INPUT", "build_parser", "main", "entry",
            "positive_int"]
-
-EXIT_OK = 0
-EXIT_VIOLATION = 1
-EXIT_BAD_INPUT = 2
 
 # Order is the order shown by ``pdproto --help``.
 COMMANDS = ("check", "fuzz", "audit", "replay", "cost")

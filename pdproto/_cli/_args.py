@@ -26,7 +26,15 @@ __all__ = [
     "one_line",
     "print_error",
     "print_json",
+    "print_result",
+    "EXIT_OK",
+    "EXIT_VIOLATION",
+    "EXIT_BAD_INPUT",
 ]
+
+EXIT_OK = 0
+EXIT_VIOLATION = 1
+EXIT_BAD_INPUT = 2
 
 
 def int_type(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
@@ -120,3 +128,14 @@ def print_json(obj: Any, file: Any = None) -> None:
     out = file if file is not None else sys.stdout
     out.write(json.dumps(obj) + "\n")
 
+
+
+def print_result(result: Any, as_json: bool, report: Callable[[], None]) -> int:
+    """Print a driver's ``result`` as one JSON object (``--json``), else call
+    ``report()`` to print the human report; return the exit code: 0 when the
+    result is ok, 1 when it holds a violation."""
+    if as_json:
+        print(json.dumps(result.to_dict()))
+    else:
+        report()
+    return EXIT_OK if result.ok else EXIT_VIOLATION

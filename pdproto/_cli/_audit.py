@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
+from typing import Any, Callable
 
 from ..drivers._audit import AuditResult, audit
 from ..spec._history import MAX_LINE_BYTES, POLICIES
 from ..spec._monitor import INVARIANTS
 from .._errors import UsageError
-from . import EXIT_OK, EXIT_VIOLATION
-from ._args import esc, positive_int
+from ._args import esc, positive_int, print_result
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -71,16 +69,10 @@ def run(args: argparse.Namespace, console: Any) -> int:
     args.skip = split_skip(args)
     result = audit(args.file, policy=args.policy, complete=args.complete, skip=args.skip,
                    max_line_bytes=args.max_line_bytes)
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    else:
-        _print_report(console, args.file, result)
-    return EXIT_OK if result.ok else EXIT_VIOLATION
+    return print_result(result, args.json, lambda: _print_report(console, args.file, result))
 
 
 def _print_report(console: Any, path: str, result: AuditResult) -> None:
-    from rich.table import Table
-
     name = "<stdin>" if path == "-" else path
     violations = result.violations
     mode = f"policy {result.policy}, " + ("complete" if result.complete else "not complete")
@@ -95,13 +87,26 @@ def _print_report(console: Any, path: str, result: AuditResult) -> None:
                 "until the system went quiet[/]"
             )
         return
+    print_violations(console, violations)
+
+
+def print_violations(console: Any, violations: Any, level: Callable[[Any], str] | None = None) -> None:
+    """The violations as a table (line, the ``level`` column when given,
+    invariant, message, witness lines) and a line counting them."""
+    from rich.table import Table
+
     table = Table(show_lines=False)
     table.add_column("line", justify="right")
+    if level is not None:
+        table.add_column("level")
     table.add_column("invariant", style="red")
     table.add_column("message")
     table.add_column("witness")
     for v in violations:
-        table.add_row(str(v.line), esc(v.invariant), esc(v.message), ", ".join(map(str, v.witness)) or "-")
+        cells = [str(v.line), esc(v.invariant), esc(v.message), ", ".join(map(str, v.witness)) or "-"]
+        if level is not None:
+            cells.insert(1, level(v))
+        table.add_row(*cells)
     console.print(table)
     console.print(f"[red]{len(violations)} violation(s)[/]: {summarize(violations)}")
 

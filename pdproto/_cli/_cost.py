@@ -98,16 +98,8 @@ def add_parser(subparsers: Any) -> None:
     )
 
     link = parser.add_argument_group("link")
-    link.add_argument(
-        "--bandwidth",
-        type=float,
-        default=25.0,
-        metavar="GIBPS",
-        help="effective bandwidth per link, GiB/s (default 25)",
-    )
-    link.add_argument(
-        "--latency-ms", type=float, default=0.0, metavar="X", help="fixed latency, ms (default 0)"
-    )
+    _float_option(link, "--bandwidth", 25.0, "GIBPS", "effective bandwidth per link, GiB/s")
+    _float_option(link, "--latency-ms", 0.0, "X", "fixed latency, ms")
     link.add_argument(
         "--links",
         type=_INT,
@@ -117,22 +109,10 @@ def add_parser(subparsers: Any) -> None:
     )
 
     timing = parser.add_argument_group("timing, ms")
-    timing.add_argument(
-        "--prefill-ms", type=float, default=40.0, metavar="X", help="P prefill compute (default 40)"
-    )
-    timing.add_argument(
-        "--decode-ms", type=float, default=4.0, metavar="X", help="one D decode step (default 4)"
-    )
-    timing.add_argument(
-        "--coord-ms", type=float, default=2.0, metavar="X", help="handoff coordination (default 2)"
-    )
-    timing.add_argument(
-        "--wait-ms",
-        type=float,
-        default=30.0,
-        metavar="J",
-        help="colocated extra queueing wait before prefill (default 30)",
-    )
+    _float_option(timing, "--prefill-ms", 40.0, "X", "P prefill compute")
+    _float_option(timing, "--decode-ms", 4.0, "X", "one D decode step")
+    _float_option(timing, "--coord-ms", 2.0, "X", "handoff coordination")
+    _float_option(timing, "--wait-ms", 30.0, "J", "colocated extra queueing wait before prefill")
     timing.add_argument(
         "--first-tokens", type=_INT, default=4, metavar="K", help="tokens to time (default 4, >= 2)"
     )
@@ -141,6 +121,11 @@ def add_parser(subparsers: Any) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     out.add_argument("--plot", metavar="FILE", help="write a timeline picture (.svg; .png needs matplotlib)")
     parser.set_defaults(run=run)
+
+
+def _float_option(group: Any, flag: str, default: float, metavar: str, what: str) -> None:
+    """A float option whose help ends with its default: ``what (default 25)``."""
+    group.add_argument(flag, type=float, default=default, metavar=metavar, help=f"{what} (default {default:g})")
 
 
 def _shape(args: argparse.Namespace) -> tuple[str, KVShape]:

@@ -11,8 +11,8 @@ from typing import Any
 from .._errors import UsageError
 from ..spec._history import POLICIES
 from .._errors import parse_int
-from . import EXIT_OK, EXIT_VIOLATION, positive_int
-from ._args import check_output_path, esc
+from . import positive_int
+from ._args import check_output_path, esc, print_result
 
 
 def add_parser(sub: Any) -> None:
@@ -96,11 +96,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
             coverage_states=args.coverage_exhaustive, name=info.name, expected=info.expected,
             stats=stats,
         )
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    else:
-        _report(console, result.to_dict(), result.failure)
-    return EXIT_OK if result.ok else EXIT_VIOLATION
+    return print_result(result, args.json, lambda: _report(console, result.to_dict(), result.failure))
 
 
 @contextlib.contextmanager

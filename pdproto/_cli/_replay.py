@@ -4,15 +4,13 @@ the monitor judges it; report protocol and data-level violations together."""
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from ..drivers._replay import ReplayResult, level, replay
 from ..spec._history import MAX_LINE_BYTES, POLICIES
 from ..spec._monitor import INVARIANTS
-from . import EXIT_OK, EXIT_VIOLATION
-from ._args import esc, int_type, positive_int, size_type
-from ._audit import summarize
+from ._args import esc, int_type, positive_int, print_result, size_type
+from ._audit import print_violations
 
 BACKENDS = ("torch",)
 DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float64", "bf16", "fp16", "fp32")
@@ -65,16 +63,10 @@ def run(args: argparse.Namespace, console: Any) -> int:
         policy=args.policy, complete=args.complete, skip=skip,
         max_line_bytes=args.max_line_bytes, max_memory=args.max_memory,
     )
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    else:
-        _print_report(console, args.file, result)
-    return EXIT_OK if result.ok else EXIT_VIOLATION
+    return print_result(result, args.json, lambda: _print_report(console, args.file, result))
 
 
 def _print_report(console: Any, path: str, result: ReplayResult) -> None:
-    from rich.table import Table
-
     name = "<stdin>" if path == "-" else path
     b = result.backend
     console.print(
@@ -88,17 +80,7 @@ def _print_report(console: Any, path: str, result: ReplayResult) -> None:
     if not violations:
         console.print("[green]ok[/]: no invariant violated, every byte decode read was right")
         return
-    table = Table(show_lines=False)
-    table.add_column("line", justify="right")
-    table.add_column("level")
-    table.add_column("invariant", style="red")
-    table.add_column("message")
-    table.add_column("witness")
-    for v in violations:
-        table.add_row(str(v.line), level(v), esc(v.invariant), esc(v.message),
-                      ", ".join(map(str, v.witness)) or "-")
-    console.print(table)
-    console.print(f"[red]{len(violations)} violation(s)[/]: {summarize(violations)}")
+    print_violations(console, violations, level)
 
 
 __all__ = ["add_parser", "run", "replay", "INVARIANTS"]

@@ -115,6 +115,43 @@ class Event:
 _EXTRA = attrs.field(factory=dict, kw_only=True, hash=False, repr=False)
 
 
+# Field sets shared by several kinds.  They are mixins, not Event subclasses:
+# every Event subclass here is a registered kind (EVENT_TYPES), and each kind
+# is still its own class (own repr, equality and dispatch-table key).
+
+
+@_event
+class _TransferOnly:
+    """The fields of an event that names only its transfer."""
+
+    FIELDS: ClassVar[Mapping[str, str]] = {"transfer": _STR}
+    transfer: str
+    extra: dict = _EXTRA
+
+
+@_event
+class _OnBlocks:
+    """The fields of an event that takes blocks on a worker for a generation."""
+
+    FIELDS: ClassVar[Mapping[str, str]] = {"request": _STR, "gen": _NAT, "worker": _STR, "blocks": _BLOCKS}
+    request: str
+    gen: int
+    worker: str
+    blocks: tuple[int, ...] = attrs.field(converter=_blocks)
+    extra: dict = _EXTRA
+
+
+@_event
+class _Ending:
+    """The fields of an event that ends a generation, with an optional reason."""
+
+    FIELDS: ClassVar[Mapping[str, str]] = {"request": _STR, "gen": _NAT, "reason": _OPT_STR}
+    request: str
+    gen: int
+    reason: str | None = None
+    extra: dict = _EXTRA
+
+
 @_event
 class Submit(Event):
     EV = "submit"
@@ -139,14 +176,8 @@ class Reserve(Event):
 
 
 @_event
-class PrefillStart(Event):
+class PrefillStart(_OnBlocks, Event):
     EV = "prefill_start"
-    FIELDS = {"request": _STR, "gen": _NAT, "worker": _STR, "blocks": _BLOCKS}
-    request: str
-    gen: int
-    worker: str
-    blocks: tuple[int, ...] = attrs.field(converter=_blocks)
-    extra: dict = _EXTRA
 
 
 @_event
@@ -168,14 +199,8 @@ class PrefillDone(Event):
 
 
 @_event
-class Alloc(Event):
+class Alloc(_OnBlocks, Event):
     EV = "alloc"
-    FIELDS = {"request": _STR, "gen": _NAT, "worker": _STR, "blocks": _BLOCKS}
-    request: str
-    gen: int
-    worker: str
-    blocks: tuple[int, ...] = attrs.field(converter=_blocks)
-    extra: dict = _EXTRA
 
 
 @_event
@@ -203,35 +228,23 @@ class TransferStart(Event):
 
 
 @_event
-class TransferReadDone(Event):
+class TransferReadDone(_TransferOnly, Event):
     EV = "transfer_read_done"
-    FIELDS = {"transfer": _STR}
-    transfer: str
-    extra: dict = _EXTRA
 
 
 @_event
-class TransferWriteDone(Event):
+class TransferWriteDone(_TransferOnly, Event):
     EV = "transfer_write_done"
-    FIELDS = {"transfer": _STR}
-    transfer: str
-    extra: dict = _EXTRA
 
 
 @_event
-class TransferFailed(Event):
+class TransferFailed(_TransferOnly, Event):
     EV = "transfer_failed"
-    FIELDS = {"transfer": _STR}
-    transfer: str
-    extra: dict = _EXTRA
 
 
 @_event
-class TransferAbort(Event):
+class TransferAbort(_TransferOnly, Event):
     EV = "transfer_abort"
-    FIELDS = {"transfer": _STR}
-    transfer: str
-    extra: dict = _EXTRA
 
 
 @_event
@@ -268,33 +281,18 @@ class Decode(Event):
 
 
 @_event
-class Finish(Event):
+class Finish(_Ending, Event):
     EV = "finish"
-    FIELDS = {"request": _STR, "gen": _NAT, "reason": _OPT_STR}
-    request: str
-    gen: int
-    reason: str | None = None
-    extra: dict = _EXTRA
 
 
 @_event
-class Cancel(Event):
+class Cancel(_Ending, Event):
     EV = "cancel"
-    FIELDS = {"request": _STR, "gen": _NAT, "reason": _OPT_STR}
-    request: str
-    gen: int
-    reason: str | None = None
-    extra: dict = _EXTRA
 
 
 @_event
-class Fail(Event):
+class Fail(_Ending, Event):
     EV = "fail"
-    FIELDS = {"request": _STR, "gen": _NAT, "reason": _OPT_STR}
-    request: str
-    gen: int
-    reason: str | None = None
-    extra: dict = _EXTRA
 
 
 @_event

@@ -531,39 +531,28 @@ class Monitor:
 
     def _ticket_check(self, event: Event, ticket: str, key: tuple[str, int], worker: str, line: int) -> None:
         info = self._tickets.get(ticket)
-        where = self._lines.get(("ticket", ticket))
+        if info is not None and info.gen == key and info.worker == worker:
+            return  # the common case
+        witness = [self._lines.get(("ticket", ticket))]
+        data: dict[str, Any] = {}
         if info is None:
-            self._report(
-                "ticket-mismatch",
-                line,
-                f"{event.EV} of {_fmt_gen(key)} names ticket {ticket!r}, which was never reserved",
-                request=key[0],
-                gen=key[1],
-                ticket=ticket,
-            )
+            why = f"names ticket {ticket!r}, which was never reserved"
+            witness = []
         elif info.gen != key:
-            self._report(
-                "ticket-mismatch",
-                line,
-                f"{event.EV} of {_fmt_gen(key)} names ticket {ticket!r}, which belongs to "
-                f"{_fmt_gen(info.gen)}",
-                [where],
-                request=key[0],
-                gen=key[1],
-                ticket=ticket,
-            )
-        elif info.worker != worker:
-            self._report(
-                "ticket-mismatch",
-                line,
-                f"{event.EV} of {_fmt_gen(key)} goes into {worker!r}, but ticket {ticket!r} "
-                f"reserved blocks on {info.worker!r}",
-                [where],
-                request=key[0],
-                gen=key[1],
-                ticket=ticket,
-                worker=worker,
-            )
+            why = f"names ticket {ticket!r}, which belongs to {_fmt_gen(info.gen)}"
+        else:
+            why = f"goes into {worker!r}, but ticket {ticket!r} reserved blocks on {info.worker!r}"
+            data["worker"] = worker
+        self._report(
+            "ticket-mismatch",
+            line,
+            f"{event.EV} of {_fmt_gen(key)} {why}",
+            witness,
+            request=key[0],
+            gen=key[1],
+            ticket=ticket,
+            **data,
+        )
 
     def _owned_by(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], role: str, line: int) -> None:
         owner = self._owner
@@ -913,6 +902,10 @@ class Monitor:
             self._gens[key] = g._replace(terminal=True)
             self._lines[("end", key)] = line
 
+    def _bad_free(self, ev: Free, line: int, block: int, message: str, witness: int | None) -> None:
+        self._report("bad-free", line, message, [witness], worker=ev.worker, block=block, request=ev.request,
+                     gen=ev.gen)
+
     def _on_free(self, ev: Free, line: int) -> None:
         worker = ev.worker
         owner = self._owner
@@ -924,31 +917,15 @@ class Monitor:
             held = owner.get(wb)
             if held is None:
                 why = "quarantined after a restart" if wb in self._quarantine else "not owned"
-                self._report(
-                    "bad-free",
-                    line,
-                    f"free of block {b} on {worker!r}, which is {why}",
-                    [lines.get(("free", wb))],
-                    worker=worker,
-                    block=b,
-                    request=ev.request,
-                    gen=ev.gen,
-                )
+                self._bad_free(ev, line, b, f"free of block {b} on {worker!r}, which is {why}",
+                               lines.get(("free", wb)))
                 continue
             if ev.request is not None and (
                 held[0] != ev.request or (ev.gen is not None and held[1] != ev.gen)
             ):
                 named = ev.request if ev.gen is None else _fmt_gen((ev.request, ev.gen))
-                self._report(
-                    "bad-free",
-                    line,
-                    f"free of block {b} on {worker!r} for {named}, but {_fmt_gen(held)} owns it",
-                    [lines.get(("alloc", wb))],
-                    worker=worker,
-                    block=b,
-                    request=ev.request,
-                    gen=ev.gen,
-                )
+                self._bad_free(ev, line, b, f"free of block {b} on {worker!r} for {named}, but "
+                               f"{_fmt_gen(held)} owns it", lines.get(("alloc", wb)))
             readers = self._reading.get(wb)
             if readers:
                 early_read.setdefault((held, readers), []).append(b)
