@@ -289,3 +289,29 @@ def test_testing_module_offers_only_what_a_test_author_uses():
     ])
     for name in testing.__all__:
         assert getattr(testing, name) is not None
+
+
+def test_explain_phase_is_off_unless_asked(monkeypatch):
+    """Hypothesis's explain phase runs only with explain=True (--explain)."""
+    from hypothesis import Phase
+
+    from pdproto.drivers import _machine
+
+    seen = []
+    real = _machine.get_state_machine_test
+
+    def spy(machine, settings):
+        seen.append(tuple(settings.phases))
+        return real(machine, settings=settings)
+
+    monkeypatch.setattr(_machine, "get_state_machine_test", spy)
+    model, _ = load_model("d-holds-target-on-abort")
+    for explain in (False, True):
+        assert fuzz(model, examples=300, steps=30, seed=0, database=None, explain=explain).violation
+    assert Phase.explain not in seen[0] and Phase.shrink in seen[0]
+    assert Phase.explain in seen[1]
+
+
+def test_cli_explain_flag(capsys):
+    assert main(["fuzz", "--help"]) == 0
+    assert "--explain" in capsys.readouterr().out

@@ -54,6 +54,8 @@ def add_parser(sub: Any) -> None:
                    metavar="MAX_STATES",
                    help="first count every reachable model state (breadth-first, up to MAX_STATES) "
                    "and report the fraction the fuzzing covered")
+    p.add_argument("--explain", action="store_true",
+                   help="run Hypothesis's explain phase after shrinking (slow; off by default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
             model, examples=args.examples, steps=args.steps, seed=args.seed, out=args.out,
             database=None if args.no_database else ".hypothesis/examples", backend=backend,
             coverage_states=args.coverage_exhaustive, name=info.name, expected=info.expected,
-            stats=stats,
+            stats=stats, explain=args.explain,
         )
     return print_result(result, args.json, lambda: _report(console, result.to_dict(), result.failure))
 

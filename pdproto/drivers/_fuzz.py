@@ -273,6 +273,7 @@ def fuzz(
     name: str | None = None,
     expected: str | None = None,
     stats: FuzzStats | None = None,
+    explain: bool = False,
 ) -> FuzzResult:
     """Fuzz ``model`` with its Hypothesis state machine; return a :class:`FuzzResult`.
 
@@ -285,7 +286,10 @@ def fuzz(
     ``coverage_states``: first count the reachable states (up to that many)
     and report the fraction covered.  ``name``/``expected`` label the result
     (default: the model's name).  ``stats``: a :class:`FuzzStats` to count
-    into (for a live progress line).  Whatever Hypothesis prints is swallowed.
+    into (for a live progress line).  ``explain``: run Hypothesis's explain
+    phase after shrinking (off by default: it took about 95% of the time of a
+    run that found a bug, and the shrunk history is the same without it).
+    Whatever Hypothesis prints is swallowed.
     """
     from ._machine import run_machine
 
@@ -300,7 +304,8 @@ def fuzz(
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
         failure = run_machine(model, examples=examples, steps=steps, seed=seed, out=out_path,
-                              database=database, identity=identity, backend=backend, stats=stats)
+                              database=database, identity=identity, backend=backend, stats=stats,
+                              explain=explain)
     if failure is not None and out_path is not None:
         # with several distinct bugs Hypothesis replays each; the file must
         # hold the one reported here

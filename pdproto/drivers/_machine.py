@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import attrs
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -423,7 +423,7 @@ def _ident(name: str) -> str:
 
 def run_machine(model: Any, *, examples: int, steps: int, seed: int | None, out: str | None,
                 database: str | None, identity: str, backend: Callable[[Any], Any] | None,
-                stats: FuzzStats) -> HandoffFailure | None:
+                stats: FuzzStats, explain: bool = False) -> HandoffFailure | None:
     """Run ``model``'s machine for ``examples`` examples of ``steps`` steps;
     the (shrunk) failure, or None.  Anything else it raises propagates."""
     from hypothesis.database import DirectoryBasedExampleDatabase
@@ -439,6 +439,7 @@ def run_machine(model: Any, *, examples: int, steps: int, seed: int | None, out:
             database=namespaced_database(db, identity),
             suppress_health_check=list(HealthCheck),
             print_blob=False,
+            phases=[p for p in Phase if explain or p is not Phase.explain],
         ),
     )
     if seed is not None:

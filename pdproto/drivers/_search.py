@@ -236,7 +236,9 @@ class _Search:
     def run(self) -> ExploreResult:
         gc_was = gc.isenabled()
         if self.freeze_gc:
-            gc.collect()
+            # No gc.collect() first: on a large heap (a long test session) a full
+            # collection costs seconds per search, and garbage frozen here is
+            # collected as usual once the search unfreezes it.
             gc.freeze()
             gc.disable()
         self.t0 = time.perf_counter()
