@@ -181,6 +181,7 @@ def test_backend_sees_each_history_exactly_once_in_order():
         assert lines == list(range(2, 2 + len(lines)))
 
 
+@pytest.mark.slow
 def test_torch_backend_fuzz_clean_and_mutant(tmp_path):
     pytest.importorskip("torch")
     for s in (0, 1):
