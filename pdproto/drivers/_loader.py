@@ -211,6 +211,22 @@ def load_model(
             :data:`MAX_REQUESTS`, :data:`MAX_BLOCKS` or :data:`MAX_WORKERS`.
         ModelLoadError: the model's own code raised while it was imported or built.
     """
+    overrides = _overrides(policy, mode, requests, blocks, prefill_workers, decode_workers)
+    given = spec if spec is not None else _DEFAULT
+    target, module = _resolve(spec, given)
+    model, config = _instantiate(target, module, overrides, faults, given)
+    expected = getattr(module, "EXPECTED", None) if module is not None else None
+    has_expected = module is not None and hasattr(module, "EXPECTED")
+    name = getattr(model, "name", None) or given
+    doc = _first_line(module.__doc__) if module is not None else ""
+    warning = reach_warning(config)
+    return model, ModelInfo(given, name, expected, has_expected, config, module, doc,
+                            (warning,) if warning else ())
+
+
+def _overrides(policy: str | None, mode: str | None, requests: int | None, blocks: int | None,
+               prefill_workers: int | None, decode_workers: int | None) -> dict[str, Any]:
+    """The configuration fields the caller sets, validated."""
     if policy is not None and mode is not None and policy != mode:
         raise UsageError("policy", (policy, mode), "one value (mode is an alias of policy)")
     policy = policy if policy is not None else mode
@@ -219,20 +235,14 @@ def load_model(
                              ("--workers", decode_workers, MAX_WORKERS)):
         if value is not None and (type(value) is not int or not 1 <= value <= top):
             raise UsageError(what, value, f"an integer from 1 to {top}")
-    overrides: dict[str, Any] = {}
-    if policy is not None:
-        overrides["policy"] = policy
-    if requests is not None:
-        overrides["requests"] = requests
-    if blocks is not None:
-        overrides["blocks"] = blocks
-    if prefill_workers is not None:
-        overrides["prefill_workers"] = prefill_workers
-    if decode_workers is not None:
-        overrides["decode_workers"] = decode_workers
-    given = spec if spec is not None else _DEFAULT
-    target: Any
-    module: ModuleType | None = None
+    given = {"policy": policy, "requests": requests, "blocks": blocks,
+             "prefill_workers": prefill_workers, "decode_workers": decode_workers}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _resolve(spec: str | None, given: str) -> tuple[Any, ModuleType | None]:
+    """``(target, module)``: what ``spec`` names (a module, a builder or a
+    model) and the module it lives in."""
     if spec is not None and ":" in spec and not (len(spec) > 1 and spec[1] == ":" and os.sep == "\\"):
         mod_part, _, attr = spec.rpartition(":")
         if not mod_part or not attr:
@@ -257,7 +267,6 @@ def load_model(
             raise UsageError("model", given, f"a model file, module:attribute, or one of: {shown}")
         module = _import(f"pdproto.models.{name}", given)
         target = module
-
     if isinstance(target, ModuleType):
         module = target
         build = getattr(module, "build", None)
@@ -267,43 +276,40 @@ def load_model(
             target = module.model
         else:
             raise UsageError("MODEL", given, "a module with build(config) or a model attribute")
+    return target, module
 
-    expected = getattr(module, "EXPECTED", None) if module is not None else None
-    has_expected = module is not None and hasattr(module, "EXPECTED")
-    config = None
+
+def _instantiate(target: Any, module: ModuleType | None, overrides: dict[str, Any],
+                 faults: Mapping[str, int] | None, given: str) -> tuple[Any, Any]:
+    """``(model, config)``: a model instance as is, or a builder called with its
+    module's ``DEFAULT_CONFIG`` evolved by ``overrides`` and ``faults``."""
     if _is_model(target):
         if overrides or faults is not None:
             raise UsageError(
                 "--mode/--requests/--blocks/--faults", given,
                 "no configuration flags: this MODEL is a model instance, not a builder",
             )
-        model = target
-    elif callable(target):
-        if module is not None and hasattr(module, "DEFAULT_CONFIG"):
-            config = module.DEFAULT_CONFIG
-        else:
-            from ..protocol._config import ModelConfig
-
-            config = ModelConfig()
-        if faults is not None:
-            overrides["faults"] = dict(faults)  # replaces the budgets: unnamed kinds get 0
-        if overrides:
-            config = _configure(config, overrides, given)
-        try:
-            model = target(config)
-        except (Exception, SystemExit) as exc:  # the builder's own error: one line, exit 2
-            files = (os.path.abspath(module.__file__),) if module is not None and getattr(module, "__file__", None) else ()
-            raise _failed(given, "build", exc, files) from exc
-        if not _is_model(model):
-            raise UsageError("MODEL", given, "a builder returning a model (initial_states, actions, step)")
-    else:
+        return target, None
+    if not callable(target):
         raise UsageError("MODEL", given, "a Model instance, a builder callable(config), or a module with build()")
+    if module is not None and hasattr(module, "DEFAULT_CONFIG"):
+        config = module.DEFAULT_CONFIG
+    else:
+        from ..protocol._config import ModelConfig
 
-    name = getattr(model, "name", None) or given
-    doc = _first_line(module.__doc__) if module is not None else ""
-    warning = reach_warning(config)
-    return model, ModelInfo(given, name, expected, has_expected, config, module, doc,
-                            (warning,) if warning else ())
+        config = ModelConfig()
+    if faults is not None:
+        overrides["faults"] = dict(faults)  # replaces the budgets: unnamed kinds get 0
+    if overrides:
+        config = _configure(config, overrides, given)
+    try:
+        model = target(config)
+    except (Exception, SystemExit) as exc:  # the builder's own error: one line, exit 2
+        files = (os.path.abspath(module.__file__),) if module is not None and getattr(module, "__file__", None) else ()
+        raise _failed(given, "build", exc, files) from exc
+    if not _is_model(model):
+        raise UsageError("MODEL", given, "a builder returning a model (initial_states, actions, step)")
+    return model, config
 
 
 def _configure(config: Any, overrides: dict[str, Any], given: str) -> Any:
