@@ -204,7 +204,9 @@ class HandoffModel:
         elif kind is _MESSAGE:
             nstate = effect(self, state, target, state[2][target], ev)
         elif kind is _TRANSFER:
-            i = self._xfer_at(state, target)
+            i = self._xfer_index(state, *target)
+            if i < 0:
+                raise KeyError(target)
             nstate = effect(self, state, i, state[1][i], ev)
         else:
             nstate = effect(self, state, target, ev)
@@ -328,9 +330,12 @@ class HandoffModel:
                             add(acts[j])
             elif kind is _WORKER:
                 for w in range(self.np + self.nd):
+                    acts = None
                     for j, k, guard in plan:
                         if (k < 0 or budget[k]) and (guard is None or guard(self, s, w)):
-                            add(self._run_actions(run, w)[j])
+                            if acts is None:
+                                acts = self._run_actions(run, w)
+                            add(acts[j])
             else:  # client: submit the next request (requests arrive in order)
                 for r, q in enumerate(reqs):
                     if q.gen < 0:
@@ -362,19 +367,15 @@ class HandoffModel:
 
     def xfer_of(self, state: HState, r: int) -> int:
         """Index of the transfer of request ``r``'s current generation, or -1."""
-        gen = state.reqs[r].gen
-        for i, x in enumerate(state.xfers):
-            if x.r == r and x.gen == gen:
-                return i
-        return -1
+        return self._xfer_index(state, r, state.reqs[r].gen)
 
     @staticmethod
-    def _xfer_at(state: HState, key: tuple) -> int:
-        r, gen = key
+    def _xfer_index(state: HState, r: int, gen: int) -> int:
+        """Index of the transfer of generation ``gen`` of request ``r``, or -1."""
         for i, x in enumerate(state.xfers):
             if x[0] == r and x[1] == gen:
                 return i
-        raise KeyError(key)
+        return -1
 
     def has_msg(self, state: HState, r: int, gen: int) -> bool:
         for m in state.msgs:
