@@ -355,11 +355,13 @@ class HistoryReader:
                     # unknown "ev", a field off) raises or gives None here and
                     # takes the careful path, which accepts the same lines and
                     # names errors.  A colon per key, else perhaps a key given
-                    # twice, which the careful path checks exactly.
+                    # twice (or only a colon in a string): parsed once more,
+                    # exactly; a conflict raises and takes the careful path.
                     try:
                         obj = fast_loads(raw)
-                        if raw.count(b":") == len(obj):
-                            event = parsers[obj["ev"]](obj)
+                        if raw.count(b":") != len(obj):
+                            obj = json.loads(raw, object_pairs_hook=_no_conflicts)
+                        event = parsers[obj["ev"]](obj)
                     except Exception:
                         pass
                 if event is None:
