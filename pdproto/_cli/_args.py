@@ -129,13 +129,12 @@ def print_json(obj: Any, file: Any = None) -> None:
     out.write(json.dumps(obj) + "\n")
 
 
-
 def print_result(result: Any, as_json: bool, report: Callable[[], None]) -> int:
     """Print a driver's ``result`` as one JSON object (``--json``), else call
     ``report()`` to print the human report; return the exit code: 0 when the
     result is ok, 1 when it holds a violation."""
     if as_json:
-        print(json.dumps(result.to_dict()))
+        print_json(result.to_dict())
     else:
         report()
     return EXIT_OK if result.ok else EXIT_VIOLATION

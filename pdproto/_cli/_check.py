@@ -10,7 +10,7 @@ from typing import Any
 from .._errors import UsageError
 from ..spec._history import POLICIES
 from . import EXIT_OK, EXIT_VIOLATION, positive_int
-from ._args import check_output_path, esc
+from ._args import check_output_path, esc, print_json
 
 GRAPH_LIMIT = 20_000
 #: with --backend torch: the search stops here unless --max-states says otherwise ...
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
             obj["graph"] = args.graph
         if args.no_monitor:
             obj["monitor"] = False
-        print(json.dumps(obj), file=console.file)
+        print_json(obj, console.file)
     else:
         _report(console, result, info, written, args, backend_opts)
     return EXIT_OK if result.ok else EXIT_VIOLATION
@@ -218,7 +218,7 @@ def _config_dict(config: Any) -> Any:
 
 def _list(args: argparse.Namespace, console: Any, models: list) -> int:
     if args.json:
-        print(json.dumps([{"model": n, "expected": e, "summary": d} for n, e, d in models]), file=console.file)
+        print_json([{"model": n, "expected": e, "summary": d} for n, e, d in models], console.file)
         return EXIT_OK
     from rich.table import Table
 

@@ -383,7 +383,7 @@ class TorchBackend:
             block_size = hb if type(hb) is int and hb >= 1 else 4
         self.layout = KVLayout(layers, kv_heads, head_dim, block_size, canonical_dtype(dtype))
         self.header = header
-        self.tp = parse_tp(tp) if isinstance(tp, str) else parse_tp(tuple(tp))
+        self.tp = parse_tp(tp)
         if max_memory is not None and (type(max_memory) is not int or max_memory < 1):
             raise UsageError("max_memory", max_memory, "a number of bytes >= 1, or None for no limit")
         self.max_memory = max_memory

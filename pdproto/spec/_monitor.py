@@ -182,25 +182,6 @@ class Monitor:
     explore histories branching from a common prefix.
     """
 
-    #: the tables of the verdict state, in the order key() lists them
-    _VERDICT = (
-        "_max_gen",
-        "_gens",
-        "_owner",
-        "_quarantine",
-        "_reading",
-        "_writing",
-        "_transfers",
-        "_inflight",
-        "_tickets",
-        "_ticket_left",
-        "_open_tickets",
-        "_block_ticket",
-        "_ticket_transfers",
-        "_commits",
-        "_incarnation",
-        "_progress",
-    )
     #: what each verdict table holds, as (kind of its keys, kind of its values),
     #: so that a renaming of ids reaches every table (see :meth:`renamed_key`;
     #: the kinds are those of ``_rename_functions``)
@@ -222,6 +203,9 @@ class Monitor:
         "_incarnation": ("id", "same"),
         "_progress": ("gen", "same"),  # decodes so far, last position, last output
     }
+    #: the tables of the verdict state, in the order key() lists them: one list,
+    #: so that a table cannot be in the state without a renaming rule
+    _VERDICT = tuple(_RENAME)
     #: what the second part of a ``_lines`` key is, by its tag
     _LINE_TAGS = {
         "submit": "gen",
