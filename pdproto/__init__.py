@@ -46,7 +46,9 @@ from .protocol import parse_faults as parse_faults
 from .protocol import transition_table as transition_table
 from .spec import END_INVARIANTS as END_INVARIANTS
 from .spec import EVENT_TYPES as EVENT_TYPES
+from .spec import FEATURES as FEATURES
 from .spec import FORMAT_VERSION as FORMAT_VERSION
+from .spec import FORMAT_VERSIONS as FORMAT_VERSIONS
 from .spec import INVARIANTS as INVARIANTS
 from .spec import Alloc as Alloc
 from .spec import Cancel as Cancel
@@ -63,7 +65,9 @@ from .spec import Monitor as Monitor
 from .spec import PrefillDone as PrefillDone
 from .spec import PrefillStart as PrefillStart
 from .spec import Reserve as Reserve
+from .spec import KVSpec as KVSpec
 from .spec import Restart as Restart
+from .spec import Share as Share
 from .spec import Submit as Submit
 from .spec import TransferAbort as TransferAbort
 from .spec import TransferFailed as TransferFailed
@@ -107,8 +111,12 @@ __all__ = [
     "Fail",
     "Free",
     "Restart",
+    "Share",
     "event_from_dict",
     "FORMAT_VERSION",
+    "FORMAT_VERSIONS",
+    "FEATURES",
+    "KVSpec",
     "HistoryHeader",
     "HistoryReader",
     "HistoryWriter",

@@ -11,6 +11,10 @@ from hypothesis import strategies as st
 
 from pdproto import (
     EVENT_TYPES,
+    FEATURES,
+    KVSpec,
+    Share,
+    TransferStart,
     Free,
     HistoryFormatError,
     HistoryHeader,
@@ -150,6 +154,7 @@ _KIND_STRATEGY = {
     "blocks": st.lists(st.integers(0, 64), max_size=5).map(tuple),
     "str?": st.none() | _ident,
     "nat?": st.none() | _nat,
+    "range?": st.none() | st.tuples(st.integers(0, 64), st.integers(1, 64)).filter(lambda r: r[0] < r[1]),
 }
 
 
@@ -165,7 +170,7 @@ def events(draw):
 @settings(max_examples=200, deadline=None)
 def test_write_then_read_round_trips_every_event(evs):
     buf = io.StringIO()
-    writer = HistoryWriter(buf, HistoryHeader())
+    writer = HistoryWriter(buf, HistoryHeader(features=FEATURES, kv=KVSpec(layers=64)))
     for e in evs:
         writer.write(e)
     reader = HistoryReader(io.StringIO(buf.getvalue()))
@@ -245,3 +250,110 @@ def test_reading_with_or_without_orjson_agrees(objs, as_bytes):
     finally:
         _history._fast_loads = saved
     assert fast == slow
+
+
+# -- format 1.1 -------------------------------------------------------------------
+
+V11 = {"pdproto": "history", "version": "1.1", "features": ["share", "ranges", "kv", "parallel"],
+       "kv": {"layers": 4, "block_size": 4}}
+XFER = {"ev": "transfer_start", "transfer": "x", "ticket": "t", "request": "r", "gen": 0, "src": "P0",
+        "src_blocks": [0, 1], "dst": "D0", "dst_blocks": [2, 3]}
+SHARE = {"ev": "share", "request": "r2", "gen": 0, "worker": "P0", "blocks": [0], "tokens": 4}
+
+
+def lines(*objs) -> str:
+    return "".join(json.dumps(o) + "\n" for o in objs)
+
+
+def test_v11_header_round_trips():
+    header = HistoryHeader(
+        features={"kv", "parallel"},
+        kv=KVSpec(layers=8, kv_heads=1, head_dim=576, dtype="fp8", scale="per-block", layout="mla"),
+        workers={"P0": WorkerSpec("prefill", 8, tp=2, pp=2), "D0": WorkerSpec("decode", 8, tp=1)},
+    )
+    assert header.version == "1.1" and header.kv.dtype == "float8_e4m3fn"
+    obj = header.to_dict()
+    assert obj["features"] == ["kv", "parallel"] and obj["kv"]["layout"] == "mla"
+    assert obj["workers"]["P0"] == {"role": "prefill", "blocks": 8, "tp": 2, "pp": 2}
+    assert HistoryHeader.from_dict(obj) == header
+    assert HistoryHeader().to_dict()["version"] == 1 and "features" not in HistoryHeader().to_dict()
+
+
+def test_v11_events_parse_with_their_features():
+    reader, evs = read(lines(V11, XFER | {"layers": [0, 2], "tokens": [2, 7]}, SHARE))
+    assert reader.header.version == "1.1" and reader.header.features == set(FEATURES)
+    (_, xfer), (_, share) = evs
+    assert xfer.layers == (0, 2) and xfer.tokens == (2, 7) and not xfer.extra
+    assert share == Share("r2", 0, "P0", (0,), tokens=4)
+    assert xfer.to_dict()["layers"] == [0, 2]
+
+
+def test_version_1_reads_exactly_as_before():
+    v1 = {"pdproto": "history", "version": 1, "kv": {"layers": "whatever"},
+          "workers": {"P0": {"role": "prefill", "blocks": 4, "tp": "x"}, "D0": {"role": "decode", "blocks": 4}}}
+    reader, [(_, xfer)] = read(lines(v1, XFER | {"layers": [0, 2]}))
+    assert xfer.layers is None and xfer.extra == {"layers": [0, 2]}  # an unknown key, kept
+    assert reader.header.kv is None and reader.header.extra["kv"] == {"layers": "whatever"}
+    assert reader.header.workers["P0"] == WorkerSpec("prefill", 4)
+    assert xfer.to_dict()["layers"] == [0, 2]  # written back unchanged
+    exc = error(lines(v1, SHARE))
+    assert exc.line == 2 and "unknown event kind 'share'" in str(exc) and '"1.1"' in str(exc)
+    # no header at all is version 1 too
+    assert "unknown event kind 'share'" in str(error(lines(SHARE)))
+
+
+@pytest.mark.parametrize("header, event, needle", [
+    ({"features": ["ranges"]}, SHARE, "belongs to feature 'share'"),
+    ({"features": ["share"]}, XFER | {"tokens": [0, 4]}, "transfer_start.tokens belongs to feature 'ranges'"),
+    ({"features": ["share"]}, XFER | {"layers": 3}, "belongs to feature 'ranges'"),
+    ({"features": ["ranges"]}, XFER | {"layers": [0, 2]}, "needs the header's kv.layers"),
+    ({"features": ["ranges", "kv"], "kv": {"layers": 2}}, XFER | {"layers": [1, 3]}, "goes past the 2 layers"),
+    ({"features": ["ranges"]}, XFER | {"layers": [2, 2]}, "0 <= lo < hi"),
+    ({"features": ["ranges", "kv"], "kv": {"block_size": 4}}, XFER | {"tokens": [2, 10]}, "span 3 block(s)"),
+])
+def test_v11_event_errors_name_line_and_feature(header, event, needle):
+    exc = error(lines({"pdproto": "history", "version": "1.1"} | header, event))
+    assert exc.line == 2 and needle in str(exc), str(exc)
+
+
+@pytest.mark.parametrize("header, needle", [
+    ({"version": "1.2"}, "unsupported history version '1.2'"),
+    ({"version": 1.1}, "unsupported history version 1.1"),
+    ({"version": "1.1"}, 'needs "features"'),
+    ({"version": "1.1", "features": ["shared"]}, "unknown feature 'shared'"),
+    ({"version": "1.1", "features": [], "kv": {"layers": 2}}, "kv belongs to feature 'kv'"),
+    ({"version": "1.1", "features": ["kv"], "kv": {"layers": 0}}, "kv.layers must be an integer >= 1, got 0"),
+    ({"version": "1.1", "features": ["kv"], "kv": {"dtype": "int4"}}, "kv.dtype must be one of"),
+    ({"version": "1.1", "features": ["kv"], "kv": {"heads": 2}}, "kv.heads is not a kv key"),
+    ({"version": "1.1", "features": ["kv"], "kv": {"dtype": "fp8_e5m2"}}, "scale is required"),
+    ({"version": "1.1", "features": ["kv"], "kv": {"dtype": "bf16", "scale": "per-block"}}, "only for an fp8"),
+    ({"version": "1.1", "features": ["kv"], "kv": {"layout": "mla", "kv_heads": 8}}, "kv_heads must be absent or 1"),
+    ({"version": "1.1", "features": [], "workers": {"P0": {"role": "prefill", "blocks": 2, "tp": 2}}},
+     "workers.P0.tp belongs to feature 'parallel'"),
+    ({"version": "1.1", "features": ["parallel"], "workers": {"P0": {"role": "prefill", "blocks": 2, "tp": 0}}},
+     "workers.P0.tp must be an integer >= 1"),
+    ({"version": "1.1", "features": ["parallel", "kv"], "kv": {"layers": 3},
+      "workers": {"P0": {"role": "prefill", "blocks": 2, "pp": 2}}}, "pp 2 does not divide kv.layers 3"),
+])
+def test_v11_header_errors(header, needle):
+    exc = error(lines({"pdproto": "history"} | header))
+    assert exc.line == 1 and needle in str(exc), str(exc)
+
+
+def test_header_constructor_refuses_what_it_cannot_say():
+    with pytest.raises(ValueError, match="need version '1.1'"):
+        HistoryHeader(version=1, features={"share"})
+    with pytest.raises(ValueError, match="without declaring"):
+        HistoryHeader(features={"share"}, kv=KVSpec(layers=2))
+    with pytest.raises(ValueError, match="unknown feature"):
+        HistoryHeader(features={"sharing"})
+
+
+def test_fast_and_careful_paths_agree_on_feature_fields():
+    """A scalar in a feature field is an extra key in version 1 and an error in 1.1,
+    whichever parser reads it."""
+    pytest.importorskip("orjson")
+    v1 = lines({"pdproto": "history", "version": 1}, XFER | {"tokens": 3})
+    [(_, ev)] = read(v1)[1]
+    assert ev.tokens is None and ev.extra == {"tokens": 3}
+    assert "belongs to feature 'ranges'" in str(error(lines(V11 | {"features": ["kv"]}, XFER | {"tokens": 3})))

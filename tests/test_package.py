@@ -78,8 +78,8 @@ PUBLIC = {
     # the spec
     "Event", "EVENT_TYPES", "Submit", "Reserve", "PrefillStart", "PrefillDone", "Alloc",
     "TransferStart", "TransferReadDone", "TransferWriteDone", "TransferFailed", "TransferAbort",
-    "Commit", "Decode", "Finish", "Cancel", "Fail", "Free", "Restart", "event_from_dict",
-    "FORMAT_VERSION", "HistoryHeader", "HistoryReader", "HistoryWriter", "WorkerSpec",
+    "Commit", "Decode", "Finish", "Cancel", "Fail", "Free", "Restart", "Share", "event_from_dict",
+    "FORMAT_VERSION", "FORMAT_VERSIONS", "FEATURES", "KVSpec", "HistoryHeader", "HistoryReader", "HistoryWriter", "WorkerSpec",
     "open_history", "read_events", "write_history", "INVARIANTS", "END_INVARIANTS", "Monitor",
     "Violation",
     # the protocol

@@ -20,9 +20,19 @@ from ._events import Cancel as Cancel
 from ._events import Fail as Fail
 from ._events import Free as Free
 from ._events import Restart as Restart
+from ._events import Share as Share
+from ._events import FEATURES as FEATURES
+from ._events import FEATURE_KINDS as FEATURE_KINDS
+from ._events import FEATURE_FIELDS as FEATURE_FIELDS
 from ._events import EVENT_TYPES as EVENT_TYPES
 from ._events import event_from_dict as event_from_dict
 from ._history import FORMAT_VERSION as FORMAT_VERSION
+from ._history import FORMAT_VERSIONS as FORMAT_VERSIONS
+from ._history import KV_DTYPES as KV_DTYPES
+from ._history import FP8_DTYPES as FP8_DTYPES
+from ._history import KV_SCALES as KV_SCALES
+from ._history import KV_LAYOUTS as KV_LAYOUTS
+from ._history import KVSpec as KVSpec
 from ._history import POLICIES as POLICIES
 from ._history import ROLES as ROLES
 from ._history import WorkerSpec as WorkerSpec
@@ -57,9 +67,19 @@ __all__ = [
     "Fail",
     "Free",
     "Restart",
+    "Share",
+    "FEATURES",
+    "FEATURE_KINDS",
+    "FEATURE_FIELDS",
     "EVENT_TYPES",
     "event_from_dict",
     "FORMAT_VERSION",
+    "FORMAT_VERSIONS",
+    "KV_DTYPES",
+    "FP8_DTYPES",
+    "KV_SCALES",
+    "KV_LAYOUTS",
+    "KVSpec",
     "POLICIES",
     "ROLES",
     "WorkerSpec",

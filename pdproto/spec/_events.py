@@ -1,4 +1,4 @@
-"""History events, format version 1: one frozen class per event kind.
+"""History events, format versions 1 and 1.1: one frozen class per event kind.
 
 An event is a small immutable value.  ``Event.to_dict()`` gives its JSON
 object (``"ev"`` first) and :func:`event_from_dict` parses and strictly
@@ -7,11 +7,19 @@ in ``extra`` and written back unchanged.
 
 The field specification in each class's ``FIELDS`` is the single source of
 truth for validation, serialisation and the documentation table.
+
+Format 1.1 adds *features* a history declares in its header
+(:data:`FEATURES`): an event kind or field that belongs to a feature
+(:data:`FEATURE_KINDS`, :data:`FEATURE_FIELDS`) is parsed only when the
+feature is declared.  A version 1 history declares none, so it reads exactly
+as before: ``share`` is an unknown kind there, and ``layers`` / ``tokens`` on
+``transfer_start`` are unknown extra keys, kept and ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping
+import functools
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import attrs
 
@@ -36,7 +44,11 @@ __all__ = [
     "Fail",
     "Free",
     "Restart",
+    "Share",
     "EVENT_TYPES",
+    "FEATURES",
+    "FEATURE_KINDS",
+    "FEATURE_FIELDS",
     "event_from_dict",
 ]
 
@@ -47,6 +59,7 @@ _NAT = "nat"  # an int >= 0 (bool is not an int here)
 _BLOCKS = "blocks"  # a list of ints >= 0, stored as a tuple
 _OPT_STR = "str?"
 _OPT_NAT = "nat?"
+_OPT_RANGE = "range?"  # a half-open range [lo, hi) of ints, 0 <= lo < hi, stored as a tuple
 
 _EXPECT = {
     _STR: "a non-empty string",
@@ -54,6 +67,25 @@ _EXPECT = {
     _BLOCKS: "a list of integers >= 0 (block ids)",
     _OPT_STR: "a non-empty string",
     _OPT_NAT: "an integer >= 0",
+    _OPT_RANGE: "a half-open range [lo, hi] of two integers with 0 <= lo < hi",
+}
+
+#: The features a version 1.1 history may declare in its header, each with
+#: what it adds (docs/history-format.md).
+FEATURES: Mapping[str, str] = {
+    "share": "the share event: prefix-cache hits on blocks shared by several generations",
+    "ranges": "the layers and tokens fields of transfer_start: chunked, layer-wise and "
+    "partial-block transfers",
+    "kv": "the header's kv object: the KV layout (dtype, fp8 scales, MLA)",
+    "parallel": "tp and pp on a declared worker: tensor- and pipeline-parallel ranks per worker",
+}
+#: Event kinds that exist only with a feature declared.
+FEATURE_KINDS: Mapping[str, str] = {"share": "share"}
+#: Fields (of an event kind) that exist only with a feature declared; in a
+#: history without the feature they are unknown extra keys, as in version 1.
+FEATURE_FIELDS: Mapping[tuple[str, str], str] = {
+    ("transfer_start", "layers"): "ranges",
+    ("transfer_start", "tokens"): "ranges",
 }
 
 
@@ -71,7 +103,20 @@ def _check(kind: str, value: object) -> object:
     elif kind == _BLOCKS:
         if type(value) in (list, tuple) and all(_is_nat(b) for b in value):
             return tuple(value)
+    elif kind == _OPT_RANGE:
+        if (
+            type(value) in (list, tuple)
+            and len(value) == 2
+            and _is_nat(value[0])
+            and _is_nat(value[1])
+            and value[0] < value[1]
+        ):
+            return tuple(value)
     raise ValueError(_EXPECT[kind])
+
+
+def _range(value: Any) -> tuple[int, int] | None:
+    return value if value is None or type(value) is tuple else tuple(value)
 
 
 def _blocks(value: Any) -> tuple[int, ...]:
@@ -104,7 +149,7 @@ class Event:
             value = getattr(self, name)
             if value is None:
                 continue
-            out[name] = list(value) if kind == _BLOCKS else value
+            out[name] = list(value) if kind in (_BLOCKS, _OPT_RANGE) else value
         extra = self.extra  # type: ignore[attr-defined]
         if extra:
             for key, value in extra.items():
@@ -205,6 +250,10 @@ class Alloc(_OnBlocks, Event):
 
 @_event
 class TransferStart(Event):
+    """``layers`` and ``tokens`` (format 1.1, feature ``ranges``) narrow the
+    transfer to a half-open range of layers and of prompt positions; None
+    (the default, and version 1) means all of them, whole blocks."""
+
     EV = "transfer_start"
     FIELDS = {
         "transfer": _STR,
@@ -215,6 +264,8 @@ class TransferStart(Event):
         "src_blocks": _BLOCKS,
         "dst": _STR,
         "dst_blocks": _BLOCKS,
+        "layers": _OPT_RANGE,
+        "tokens": _OPT_RANGE,
     }
     transfer: str
     ticket: str
@@ -224,6 +275,8 @@ class TransferStart(Event):
     src_blocks: tuple[int, ...] = attrs.field(converter=_blocks)
     dst: str
     dst_blocks: tuple[int, ...] = attrs.field(converter=_blocks)
+    layers: tuple[int, int] | None = attrs.field(default=None, converter=_range)
+    tokens: tuple[int, int] | None = attrs.field(default=None, converter=_range)
     extra: dict = _EXTRA
 
 
@@ -315,6 +368,23 @@ class Restart(Event):
     extra: dict = _EXTRA
 
 
+@_event
+class Share(Event):
+    """A prefix-cache hit (format 1.1, feature ``share``): the generation takes
+    a reference on ``blocks`` of ``worker``, which already hold the KV of its
+    prompt positions ``[0, tokens)``; ``tokens`` is the total its shared blocks
+    on that worker hold."""
+
+    EV = "share"
+    FIELDS = {"request": _STR, "gen": _NAT, "worker": _STR, "blocks": _BLOCKS, "tokens": _NAT}
+    request: str
+    gen: int
+    worker: str
+    blocks: tuple[int, ...] = attrs.field(converter=_blocks)
+    tokens: int
+    extra: dict = _EXTRA
+
+
 EVENT_TYPES: Mapping[str, type[Event]] = {
     cls.EV: cls
     for cls in (
@@ -335,16 +405,30 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
         Fail,
         Free,
         Restart,
+        Share,
     )
 }
 
 
-def event_from_dict(obj: object) -> Event:
+def _feature_error(ev: str, name: str | None, feature: str, features: frozenset[str]) -> HistoryFormatError:
+    what = f"event kind {ev!r}" if name is None else f"{ev}.{name}"
+    return HistoryFormatError(
+        f"{what} belongs to feature {feature!r}, not declared in this history, whose header "
+        f'declares features {sorted(features)}; add "{feature}" to them',
+        field="ev" if name is None else name,
+        value=ev if name is None else None,
+    )
+
+
+def event_from_dict(obj: object, features: Iterable[str] | None = None) -> Event:
     """Parse one event object, strictly.
 
-    Raises :class:`HistoryFormatError` (without a line; the reader adds it)
-    naming the field and the offending value.
+    ``features`` are the format 1.1 features the history declares (see
+    :data:`FEATURES`; None, the default, allows them all, an empty set reads
+    as version 1).  Raises :class:`HistoryFormatError` (without a line; the
+    reader adds it) naming the field and the offending value.
     """
+    allowed = None if features is None else frozenset(features)
     if not isinstance(obj, dict):
         raise HistoryFormatError(
             f"expected a JSON object, got {type(obj).__name__} {obj!r:.80}", value=obj
@@ -353,14 +437,32 @@ def event_from_dict(obj: object) -> Event:
         raise HistoryFormatError("missing required field", field="ev")
     ev = obj["ev"]
     cls = EVENT_TYPES.get(ev) if isinstance(ev, str) else None
+    if cls is not None and allowed is not None and ev in FEATURE_KINDS:
+        feature = FEATURE_KINDS[ev]
+        if feature not in allowed:
+            if not allowed:  # version 1: as unknown as it always was
+                cls = None
+            else:
+                raise _feature_error(ev, None, feature, allowed)
     if cls is None:
+        known = [k for k in EVENT_TYPES if allowed is None or FEATURE_KINDS.get(k, "") in allowed | {""}]
+        hint = ""
+        if isinstance(ev, str) and ev in FEATURE_KINDS:
+            hint = f' (it needs a header with "version": "1.1" and "features": ["{FEATURE_KINDS[ev]}"])'
         raise HistoryFormatError(
-            f"unknown event kind {ev!r}; expected one of {', '.join(EVENT_TYPES)}",
+            f"unknown event kind {ev!r}{hint}; expected one of {', '.join(known)}",
             field="ev",
             value=ev,
         )
     kwargs: dict[str, Any] = {}
+    extra_fields: set[str] = set()
     for name, kind in cls.FIELDS.items():
+        feature = FEATURE_FIELDS.get((ev, name))
+        if feature is not None and allowed is not None and feature not in allowed:
+            if allowed and name in obj:
+                raise _feature_error(ev, name, feature, allowed)
+            extra_fields.add(name)  # version 1: an unknown extra key
+            continue
         if name not in obj or (obj[name] is None and kind.endswith("?")):
             if kind.endswith("?"):
                 continue
@@ -372,7 +474,7 @@ def event_from_dict(obj: object) -> Event:
             raise HistoryFormatError(
                 f"{ev}.{name} must be {exc}, got {value!r:.80}", field=name, value=value
             ) from None
-    extra = {k: v for k, v in obj.items() if k != "ev" and k not in cls.FIELDS}
+    extra = {k: v for k, v in obj.items() if k != "ev" and (k not in cls.FIELDS or k in extra_fields)}
     return cls(**kwargs, extra=extra)
 
 
@@ -392,24 +494,43 @@ _FAST_CHECK = {
     _BLOCKS: "(type({v}) is list and (not {v} or (set(map(type, {v})) <= _INT_ONLY and min({v}) >= 0)))",
     _OPT_STR: "({v} is None or (type({v}) is str and {v} != ''))",
     _OPT_NAT: "({v} is None or (type({v}) is int and {v} >= 0))",
+    _OPT_RANGE: "({v} is None or (type({v}) is list and len({v}) == 2 and type({v}[0]) is int "
+    "and type({v}[1]) is int and 0 <= {v}[0] < {v}[1]))",
 }
 
 
-def _make_fast_parser(cls: type[Event]) -> Callable[[dict], Event | None]:
+def _make_fast_parser(cls: type[Event], features: frozenset[str] | None = None) -> Callable[[dict], Event | None]:
     names = [a.name for a in attrs.fields(cls) if a.name != "extra"]
     assert names == list(cls.FIELDS), (cls, names)
-    required = [(i, n, k) for i, (n, k) in enumerate(cls.FIELDS.items()) if not k.endswith("?")]
-    optional = [(i, n, k) for i, (n, k) in enumerate(cls.FIELDS.items()) if k.endswith("?")]
-    lines = ["def parse(obj):", "    try:"]
+    # fields of an undeclared feature: left to the careful path whenever present
+    absent = [
+        n
+        for n in cls.FIELDS
+        if features is not None and FEATURE_FIELDS.get((cls.EV, n), "") not in features | {""}
+    ]
+    items = [(i, n, k) for i, (n, k) in enumerate(cls.FIELDS.items()) if n not in absent]
+    required = [(i, n, k) for i, n, k in items if not k.endswith("?")]
+    optional = [(i, n, k) for i, n, k in items if k.endswith("?")]
+    lines = ["def parse(obj):"]
+    lines += [f"    if {n!r} in obj:\n        return None" for n in absent]
+    lines += ["    try:"]
     lines += [f"        v{i} = obj[{n!r}]" for i, n, _ in required]
     lines += ["    except KeyError:", "        return None"]
     lines += [f"    v{i} = obj.get({n!r})" for i, n, _ in optional]
     checks = [_FAST_CHECK[k].format(v=f"v{i}") for i, _, k in required + optional]
     lines.append(f"    if not ({' and '.join(checks)}):")
     lines.append("        return None")
-    args = ", ".join(
-        f"tuple(v{i})" if k == _BLOCKS else f"v{i}" for i, k in enumerate(cls.FIELDS.values())
-    )
+
+    def arg(i: int, n: str, k: str) -> str:
+        if n in absent:
+            return "None"
+        if k == _BLOCKS:
+            return f"tuple(v{i})"
+        if k == _OPT_RANGE:
+            return f"(None if v{i} is None else tuple(v{i}))"
+        return f"v{i}"
+
+    args = ", ".join(arg(i, n, k) for i, (n, k) in enumerate(cls.FIELDS.items()))
     count = " + ".join([str(1 + len(required))] + [f"({n!r} in obj)" for _, n, _ in optional])
     lines.append(f"    if len(obj) == {count}:")
     lines.append(f"        return cls({args}, extra={{}})")
@@ -431,7 +552,18 @@ def _make_fast_parser(cls: type[Event]) -> Callable[[dict], Event | None]:
     return namespace["parse"]
 
 
-_FAST = {ev: _make_fast_parser(cls) for ev, cls in EVENT_TYPES.items()}
+@functools.lru_cache(maxsize=None)
+def fast_parsers(features: frozenset[str] | None = None) -> Mapping[str, Callable[[dict], Event | None]]:
+    """The generated parser of each event kind a history with these
+    ``features`` may contain (None: every feature)."""
+    return {
+        ev: _make_fast_parser(cls, features)
+        for ev, cls in EVENT_TYPES.items()
+        if features is None or FEATURE_KINDS.get(ev, "") in features | {""}
+    }
+
+
+_FAST = fast_parsers()
 
 #: The fields of each event kind that name a worker.
 WORKER_FIELDS: Mapping[type[Event], tuple[str, ...]] = {
@@ -439,13 +571,13 @@ WORKER_FIELDS: Mapping[type[Event], tuple[str, ...]] = {
 }
 
 
-def parse_event(obj: object) -> Event:
+def parse_event(obj: object, features: frozenset[str] | None = None) -> Event:
     """Like :func:`event_from_dict`, fast for well-formed input."""
     if type(obj) is dict:
         ev = obj.get("ev")
-        fast = _FAST.get(ev) if type(ev) is str else None
+        fast = fast_parsers(features).get(ev) if type(ev) is str else None
         if fast is not None:
             event = fast(obj)
             if event is not None:
                 return event
-    return event_from_dict(obj)
+    return event_from_dict(obj, features)

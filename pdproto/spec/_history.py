@@ -1,4 +1,4 @@
-"""Reading and writing histories: JSON Lines, format version 1.
+"""Reading and writing histories: JSON Lines, format versions 1 and 1.1.
 
 The reader streams: it reads the file in chunks and holds at most one chunk
 and one line, so memory stays constant in the length of the file.  A line
@@ -20,8 +20,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping
 import attrs
 
 from .._errors import HistoryFormatError
-from ._events import _FAST as FAST_PARSERS
-from ._events import WORKER_FIELDS, Event, parse_event
+from ._events import FEATURES, WORKER_FIELDS, Event, TransferStart, fast_parsers, parse_event
 
 try:  # an optional accelerator: pip install 'pdproto[fast]'
     from orjson import loads as _fast_loads
@@ -30,6 +29,12 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "FORMAT_VERSION",
+    "FORMAT_VERSIONS",
+    "KV_DTYPES",
+    "FP8_DTYPES",
+    "KV_SCALES",
+    "KV_LAYOUTS",
+    "KVSpec",
     "MAX_LINE_BYTES",
     "POLICIES",
     "ROLES",
@@ -42,7 +47,11 @@ __all__ = [
     "write_history",
 ]
 
+#: The version a history without format 1.1 features is written as.
 FORMAT_VERSION = 1
+#: Every version this pdproto reads: 1, and "1.1" (features declared in the
+#: header, see :data:`pdproto.spec.FEATURES`).
+FORMAT_VERSIONS = (1, "1.1")
 #: The longest line the reader accepts by default, in bytes (``pdproto audit
 #: --max-line-bytes`` raises it).  An event line is well under a kilobyte.
 MAX_LINE_BYTES = 4 << 20
@@ -62,12 +71,135 @@ def _nat(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
 
 
+def _opt_pos(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}")
+
+
 @attrs.frozen
 class WorkerSpec:
-    """A declared worker: its role and the size of its block pool."""
+    """A declared worker: its role, the size of its block pool and (format
+    1.1, feature ``parallel``) its tensor-parallel ranks ``tp`` and pipeline
+    stages ``pp`` (None: not declared)."""
 
     role: str = attrs.field(validator=_role)
     blocks: int = attrs.field(validator=_nat)
+    tp: int | None = attrs.field(default=None, validator=_opt_pos)
+    pp: int | None = attrs.field(default=None, validator=_opt_pos)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "blocks": self.blocks}
+        if self.tp is not None:
+            out["tp"] = self.tp
+        if self.pp is not None:
+            out["pp"] = self.pp
+        return out
+
+
+#: KV dtypes a history's ``kv.dtype`` may name (canonical names, as torch
+#: spells them), and the aliases the reader turns into them.
+KV_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+#: How fp8 KV is scaled: one scale per layer (and K/V), per block, or per head.
+KV_SCALES = ("per-tensor", "per-block", "per-head")
+#: KV layouts: ``mha`` (K and V per KV head) and ``mla`` (one latent vector of
+#: width ``head_dim`` per token and layer, no heads, replicated on TP ranks).
+KV_LAYOUTS = ("mha", "mla")
+
+
+def _canonical_dtype(value: str | None) -> str | None:
+    if value is None:
+        return None
+    name = _DTYPE_ALIASES.get(value, value) if type(value) is str else value
+    if name not in KV_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(KV_DTYPES)} (or an alias), got {value!r}")
+    return name
+
+
+@attrs.frozen
+class KVSpec:
+    """The KV layout a history declares (format 1.1, feature ``kv``).
+
+    Every field is optional (None: not declared; replay then uses its flags
+    or defaults).  ``dtype`` is canonical (see :data:`KV_DTYPES`); ``scale``
+    is required with an fp8 dtype and refused otherwise; ``layout`` ``mla``
+    has no KV heads (``kv_heads`` None or 1).
+    """
+
+    layers: int | None = attrs.field(default=None, validator=_opt_pos)
+    kv_heads: int | None = attrs.field(default=None, validator=_opt_pos)
+    head_dim: int | None = attrs.field(default=None, validator=_opt_pos)
+    block_size: int | None = attrs.field(default=None, validator=_opt_pos)
+    dtype: str | None = attrs.field(default=None, converter=_canonical_dtype)
+    scale: str | None = None
+    layout: str = "mha"
+
+    def __attrs_post_init__(self) -> None:
+        if self.layout not in KV_LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(KV_LAYOUTS)}, got {self.layout!r}")
+        if self.scale is not None and self.scale not in KV_SCALES:
+            raise ValueError(f"scale must be one of {', '.join(KV_SCALES)}, got {self.scale!r}")
+        if self.dtype in FP8_DTYPES and self.scale is None:
+            raise ValueError(f"scale is required with dtype {self.dtype!r}: one of {', '.join(KV_SCALES)}")
+        if self.dtype not in FP8_DTYPES and self.scale is not None:
+            raise ValueError(f"scale {self.scale!r} is only for an fp8 dtype ({', '.join(FP8_DTYPES)}), "
+                             f"got dtype {self.dtype!r}")
+        if self.layout == "mla" and self.kv_heads not in (None, 1):
+            raise ValueError(f"kv_heads must be absent or 1 with layout 'mla' (one latent per token), "
+                             f"got {self.kv_heads!r}")
+        if self.layout == "mla" and self.scale == "per-head":
+            raise ValueError("scale 'per-head' needs heads; layout 'mla' has none")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {a.name: getattr(self, a.name) for a in attrs.fields(KVSpec)}
+        return {k: v for k, v in out.items() if v is not None and not (k == "layout" and v == "mha")}
+
+    @classmethod
+    def from_dict(cls, obj: object) -> "KVSpec":
+        """Parse a header's ``kv`` object; raises HistoryFormatError without a line."""
+        if not isinstance(obj, dict):
+            raise HistoryFormatError(
+                f"kv must be an object {{layers, kv_heads, head_dim, block_size, dtype, scale, layout}}, "
+                f"got {obj!r:.80}",
+                field="kv",
+                value=obj,
+            )
+        names = [a.name for a in attrs.fields(cls)]
+        for key in obj:
+            if key not in names:
+                raise HistoryFormatError(
+                    f"kv.{key} is not a kv key; expected some of {', '.join(names)}",
+                    field=f"kv.{key}",
+                    value=obj[key],
+                )
+        for key, value in obj.items():
+            if key in ("dtype", "scale", "layout"):
+                allowed = {"dtype": KV_DTYPES, "scale": KV_SCALES, "layout": KV_LAYOUTS}[key]
+                ok = type(value) is str and (value in allowed or (key == "dtype" and value in _DTYPE_ALIASES))
+                expected = "one of " + ", ".join(allowed) + (" (or an alias: bf16, fp16, fp8, ...)" if key == "dtype" else "")
+            else:
+                ok = type(value) is int and value >= 1
+                expected = "an integer >= 1"
+            if not ok:
+                raise HistoryFormatError(f"kv.{key} must be {expected}, got {value!r:.80}", field=f"kv.{key}",
+                                         value=value)
+        try:
+            return cls(**obj)
+        except ValueError as exc:  # a combination: fp8 without scale, mla with heads, ...
+            raise HistoryFormatError(f"kv: {exc}", field="kv", value=obj) from None
 
 
 def _policy(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -94,33 +226,82 @@ class HistoryHeader:
     workers: Mapping[str, WorkerSpec] | None = attrs.field(
         default=None, converter=_workers, hash=False
     )
-    version: int = FORMAT_VERSION
+    version: int | str | None = None
     extra: dict = attrs.field(factory=dict, hash=False, repr=False)
+    features: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    kv: KVSpec | None = None
+
+    def __attrs_post_init__(self) -> None:
+        unknown = sorted(f for f in self.features if f not in FEATURES)
+        if unknown:
+            raise ValueError(f"unknown feature(s) {unknown}; expected some of {', '.join(FEATURES)}")
+        if self.version is None:  # the lowest version that can say it
+            object.__setattr__(self, "version", "1.1" if self.features else FORMAT_VERSION)
+        elif self.version not in FORMAT_VERSIONS or type(self.version) not in (int, str):
+            raise ValueError(f"version must be one of {FORMAT_VERSIONS}, got {self.version!r}")
+        elif self.version == 1 and self.features:
+            raise ValueError(f"features {sorted(self.features)} need version '1.1', not 1")
+        used = set()
+        if self.kv is not None:
+            used.add("kv")
+        if self.workers and any(w.tp is not None or w.pp is not None for w in self.workers.values()):
+            used.add("parallel")
+        missing = sorted(used - self.features)
+        if missing:
+            raise ValueError(f"the header uses feature(s) {missing} without declaring them in features")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pdproto": "history", "version": self.version}
+        if self.version != 1:
+            out["features"] = [f for f in FEATURES if f in self.features]
         out["policy"] = self.policy
         out["complete"] = self.complete
+        if self.kv is not None:
+            out["kv"] = self.kv.to_dict()
         if self.workers is not None:
-            out["workers"] = {
-                name: {"role": spec.role, "blocks": spec.blocks}
-                for name, spec in self.workers.items()
-            }
+            out["workers"] = {name: spec.to_dict() for name, spec in self.workers.items()}
         for key, value in self.extra.items():
             out.setdefault(key, value)
         return out
+
+    @property
+    def block_size(self) -> int | None:
+        """The declared tokens per block: ``kv.block_size``, else the
+        ``block_size`` extra key that version 1 histories may carry."""
+        if self.kv is not None and self.kv.block_size is not None:
+            return self.kv.block_size
+        value = self.extra.get("block_size")
+        return value if type(value) is int and value >= 1 else None
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> "HistoryHeader":
         """Parse a header object; raises HistoryFormatError without a line."""
         version = obj.get("version")
-        if version != FORMAT_VERSION or type(version) is not int:
+        if version not in FORMAT_VERSIONS or type(version) not in (int, str):
             raise HistoryFormatError(
                 f"unsupported history version {version!r}; this pdproto reads version "
-                f"{FORMAT_VERSION}",
+                + " and ".join(json.dumps(v) for v in FORMAT_VERSIONS),
                 field="version",
                 value=version,
             )
+        features: frozenset[str] = frozenset()
+        if version != 1:
+            listed = obj.get("features")
+            if type(listed) is not list or not all(type(f) is str for f in listed):
+                raise HistoryFormatError(
+                    f'a version "{version}" header needs "features": a list of some of '
+                    f"{', '.join(FEATURES)} (may be empty), got {listed!r:.80}",
+                    field="features",
+                    value=listed,
+                )
+            for f in listed:
+                if f not in FEATURES:
+                    raise HistoryFormatError(
+                        f"unknown feature {f!r}; expected some of {', '.join(FEATURES)}",
+                        field="features",
+                        value=f,
+                    )
+            features = frozenset(listed)
         policy = obj.get("policy", "push")
         if policy not in POLICIES:
             raise HistoryFormatError(
@@ -166,10 +347,60 @@ class HistoryHeader:
                         field=f"{where}.blocks",
                         value=size,
                     )
-                specs[name] = WorkerSpec(role, size)
+                specs[name] = WorkerSpec(role, size, *_parallel(spec, where, version, features))
+        kv = None
+        if version != 1 and "kv" in obj:
+            if "kv" not in features:
+                raise _undeclared("kv", "kv", features)
+            kv = KVSpec.from_dict(obj["kv"])
+        if kv is not None and kv.layers is not None and specs:
+            for name, spec in specs.items():
+                if spec.pp is not None and kv.layers % spec.pp:
+                    raise HistoryFormatError(
+                        f"workers.{name}.pp {spec.pp} does not divide kv.layers {kv.layers}: "
+                        "pipeline stages hold equal numbers of layers",
+                        field=f"workers.{name}.pp",
+                        value=spec.pp,
+                    )
         known = {"pdproto", "version", "policy", "complete", "workers"}
+        if version != 1:
+            known |= {"features", "kv"}
         extra = {k: v for k, v in obj.items() if k not in known}
-        return cls(policy=policy, complete=complete, workers=specs, extra=extra)
+        return cls(policy=policy, complete=complete, workers=specs, extra=extra, version=version,
+                   features=features, kv=kv)
+
+
+def _undeclared(where: str, feature: str, features: frozenset[str]) -> HistoryFormatError:
+    return HistoryFormatError(
+        f"{where} belongs to feature {feature!r}, not declared in the header's features "
+        f'{sorted(features)}; add "{feature}" to them',
+        field=where,
+    )
+
+
+def _parallel(
+    spec: Mapping[str, Any], where: str, version: object, features: frozenset[str]
+) -> tuple[int | None, int | None]:
+    """A declared worker's ``tp`` and ``pp`` (format 1.1, feature ``parallel``;
+    a version 1 header's extra worker keys are ignored, as they always were)."""
+    if version == 1:
+        return None, None
+    out: list[int | None] = []
+    for key in ("tp", "pp"):
+        value = spec.get(key)
+        if value is None:
+            out.append(None)
+            continue
+        if "parallel" not in features:
+            raise _undeclared(f"{where}.{key}", "parallel", features)
+        if type(value) is not int or value < 1:
+            raise HistoryFormatError(
+                f"{where}.{key} must be an integer >= 1, got {value!r:.80}",
+                field=f"{where}.{key}",
+                value=value,
+            )
+        out.append(value)
+    return out[0], out[1]
 
 
 def _is_header(obj: object) -> bool:
@@ -307,7 +538,7 @@ class HistoryReader:
 
     def _parse(self, line: int, obj: object) -> Event:
         try:
-            event = parse_event(obj)
+            event = parse_event(obj, self._features)
         except HistoryFormatError as exc:
             error = exc
             if _is_header(obj):
@@ -315,7 +546,49 @@ class HistoryReader:
             raise error.located(self.name, line) from None
         if self.header.workers is not None:
             self._check_workers(event, line)
+        if type(event) in self._ranged:
+            self._check_ranges(event, line)  # type: ignore[arg-type]
         return event
+
+    @property
+    def _features(self) -> frozenset[str]:
+        return self.header.features
+
+    @property
+    def _ranged(self) -> tuple[type, ...]:
+        """The event kinds whose ranges the reader checks against the header."""
+        return (TransferStart,) if "ranges" in self.header.features else ()
+
+    def _check_ranges(self, event: TransferStart, line: int) -> None:
+        """A transfer's ``layers`` within the declared layers, and its block
+        lists as long as its ``tokens`` span (with a declared block size)."""
+        kv = self.header.kv
+        if event.layers is not None:
+            layers = kv.layers if kv is not None else None
+            if layers is None:
+                raise HistoryFormatError(
+                    f"transfer_start.layers {list(event.layers)} needs the header's kv.layers (how many "
+                    "layers there are, so that readiness can cover them all)",
+                    source=self.name, line=line, field="layers", value=list(event.layers),
+                )
+            if event.layers[1] > layers:
+                raise HistoryFormatError(
+                    f"transfer_start.layers {list(event.layers)} goes past the {layers} layers the header "
+                    f"declares (kv.layers); allowed: [lo, hi] with hi <= {layers}",
+                    source=self.name, line=line, field="layers", value=list(event.layers),
+                )
+        bs = self.header.block_size
+        if event.tokens is not None and bs is not None:
+            lo, hi = event.tokens
+            span = (hi - 1) // bs - lo // bs + 1
+            for field in ("src_blocks", "dst_blocks"):
+                got = len(getattr(event, field))
+                if got != span:
+                    raise HistoryFormatError(
+                        f"transfer_start.{field} lists {got} block(s), but tokens {list(event.tokens)} span "
+                        f"{span} block(s) of {bs} tokens (blocks {lo // bs}..{(hi - 1) // bs} of the table)",
+                        source=self.name, line=line, field=field, value=list(getattr(event, field)),
+                    )
 
     def _check_workers(self, event: Event, line: int) -> None:
         workers = self.header.workers
@@ -341,7 +614,8 @@ class HistoryReader:
         # installed) and the generated per-kind parsers; anything else falls
         # to the careful path, which accepts the same lines and names errors.
         fast_loads = _fast_loads
-        parsers = FAST_PARSERS
+        parsers = fast_parsers(self._features)
+        ranged = self._ranged
         workers = self.header.workers
         worker_fields = WORKER_FIELDS
         line = self.line
@@ -375,6 +649,8 @@ class HistoryReader:
                         w = getattr(event, field)
                         if w is not None and w not in workers:
                             self._check_workers(event, line)
+                if ranged and type(event) in ranged:
+                    self._check_ranges(event, line)  # type: ignore[arg-type]
                 events += 1
                 yield line, event
         except (_TooLong, OSError) as exc:
