@@ -28,6 +28,7 @@ from pdproto import (
     PrefillStart,
     Reserve,
     Restart,
+    Share,
     Submit,
     TransferAbort,
     TransferFailed,
@@ -429,6 +430,8 @@ _EVERY_TABLE = [
 ] + [ev for _, ev in push_handoff("r2", p_blocks=(2, 3), d_blocks=(2, 3))] + [
     Submit("r3", 0, prompt_len=2),
     Alloc("r3", 0, "P0", (4,)),
+    Submit("r4", 0, prompt_len=6),
+    Share("r4", 0, "P0", (4,), tokens=4),  # format 1.1: block 4 is shared by r3 and r4
     Free("D0", (0,)),  # bad-free: its witness is the restart's line
 ]
 _NAMES = {"r1": "r3", "r3": "r1", "t1": "u1", "x1": "y1", "t-r2-0": "t2", "x-r2-0": "x2", "P0": "P1", "D0": "D7"}

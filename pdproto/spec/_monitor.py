@@ -16,6 +16,18 @@ Terms (see docs/invariants.md):
   worker has *lost its source* (or its target) and can never make a commit
   ready.
 
+Format 1.1 adds (see docs/invariants.md):
+
+- *shared blocks*: a ``share`` takes one reference on blocks that may be
+  owned already; a block belongs to every generation holding a reference and
+  returns to the pool when the last one frees it.  A shared block is never
+  the target of a transfer;
+- *ranged transfers* (``layers`` / ``tokens``): a commit is ready when the
+  landed transfers of its ticket together cover every layer of the prompt
+  positions the generation does not share on that worker;
+- *prefix-cache hits*: a prefill may process only the positions after the
+  prefix its shares on the prefill worker hold.
+
 The monitor's state splits in two: the verdict state (what decides future
 violations; :meth:`Monitor.key` returns it, hashable, for explorers that
 search the product of a model and the monitor) and the line bookkeeping used
@@ -42,6 +54,7 @@ from ._events import (
     PrefillStart,
     Reserve,
     Restart,
+    Share,
     Submit,
     TransferAbort,
     TransferFailed,
@@ -49,32 +62,36 @@ from ._events import (
     TransferStart,
     TransferWriteDone,
 )
-from ._history import POLICIES, HistoryHeader, WorkerSpec
+from ._history import POLICIES, HistoryHeader, KVSpec, WorkerSpec
 
 __all__ = ["INVARIANTS", "END_INVARIANTS", "Violation", "Monitor", "check_invariant_ids"]
 
 #: Every invariant id, in the order the documentation lists them, with a
 #: one-line rule.  The ids are a stable public interface.
 INVARIANTS: Mapping[str, str] = {
-    "double-allocation": "an allocation names a block that is already owned",
-    "bad-free": "a free names a block that is not owned, or owned by another generation",
+    "double-allocation": "an allocation names a block that is already owned (shared or not), or a "
+    "share names a block its generation already holds",
+    "bad-free": "a free names a block that is not owned, or owned by another generation, or a shared "
+    "block without naming the generation whose reference it drops",
     "early-source-free": "a free releases a block that a transfer in flight for reading still reads",
     "early-target-reuse": "a free releases a block that a transfer in flight for writing still "
     "targets, or an allocation takes a quarantined block",
-    "commit-before-ready": "commit without a completed, unfailed transfer of that ticket into that "
-    "worker whose source and target survived",
+    "commit-before-ready": "commit before the completed, unfailed transfers of that ticket into that "
+    "worker whose source and target survived cover every layer of every prompt position it does not "
+    "share there",
     "double-commit": "a second commit for the same request generation",
-    "resurrection": "activity (reserve, prefill_start, alloc, transfer_start, commit, decode) for a "
-    "terminal generation",
+    "resurrection": "activity (reserve, prefill_start, alloc, share, transfer_start, commit, decode) "
+    "for a terminal generation",
     "stale-generation": "activity for a generation after a later one was submitted, or a submit "
     "whose gen is not greater than every earlier one",
     "ticket-mismatch": "a ticket used by another generation, into another worker, or never reserved",
     "id-reuse": "a ticket or transfer id used again",
     "unknown-transfer": "a transfer completion or abort naming a transfer that never started",
-    "foreign-block-access": "a transfer or decode touches blocks its generation does not own there",
+    "foreign-block-access": "a transfer or decode touches blocks its generation does not own there, "
+    "or a transfer writes into a block another generation shares",
     "decode-before-commit": "decode without an earlier commit of that generation on that worker",
-    "first-token-boundary": "the first decode is not at position processed_len == prompt_len with "
-    "the first token as input",
+    "first-token-boundary": "the first decode is not at position prompt_len (== processed_len, plus "
+    "the prefix a prefix-cache hit skipped) with the first token as input",
     "decode-continuity": "a later decode skips a position, feeds another token, or exceeds "
     "max_new_tokens",
     "reserve-before-prefill": "(push) prefill_start without an open reservation of that generation",
@@ -135,6 +152,7 @@ class _Gen(NamedTuple):
     max_new: int | None = None
     first_token: int | None = None
     processed_len: int | None = None
+    cached: int = 0  # prompt positions its shares on its prefill worker held at prefill_done
 
 
 _NEW_GEN = _Gen()
@@ -152,6 +170,8 @@ class _Transfer(NamedTuple):
     write_done: bool = False
     failed: bool = False
     lost: bool = False  # source or target worker restarted while in flight
+    layers: tuple[int, int] | None = None  # [lo, hi) moved; None: every layer
+    tokens: tuple[int, int] | None = None  # [lo, hi) prompt positions moved; None: whole blocks
 
 
 class _Ticket(NamedTuple):
@@ -165,6 +185,33 @@ def _fmt_gen(key: tuple[str, int]) -> str:
 
 def _blocks_text(blocks: Iterable[int]) -> str:
     return "[" + ", ".join(str(b) for b in blocks) + "]"
+
+
+def _gens_text(keys: Iterable[tuple[str, int]]) -> str:
+    return " and ".join(_fmt_gen(k) for k in sorted(keys))
+
+
+def _range_text(r: tuple[int, int]) -> str:
+    return f"[{r[0]}, {r[1]})"
+
+
+def _coverage_gap(
+    rects: list[tuple[tuple[int, int], tuple[int, int]]], layers: int, lo: int, hi: int
+) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The first (layers, positions) cell of ``[0, layers) x [lo, hi)`` that no
+    rectangle ``(layer range, position range)`` covers, or None."""
+    cuts = sorted({lo, hi} | {p for _, (a, b) in rects for p in (a, b) if lo < p < hi})
+    for a, b in zip(cuts, cuts[1:]):
+        spans = sorted(ls for ls, ts in rects if ts[0] <= a and ts[1] >= b)
+        at = 0
+        for l0, l1 in spans:
+            if l0 > at:
+                break
+            at = max(at, l1)
+        if at < layers:
+            end = next((l0 for l0, _ in spans if l0 > at), layers)
+            return (at, min(end, layers)), (a, b)
+    return None
 
 
 class Monitor:
@@ -188,7 +235,9 @@ class Monitor:
     _RENAME = {
         "_max_gen": ("id", "same"),
         "_gens": ("gen", "same"),
-        "_owner": ("block", "gen"),
+        "_owner": ("block", "gen"),  # blocks with exactly one owner
+        "_shared": ("block", "gen-set"),  # blocks with two or more owners (through share)
+        "_share_tokens": ("gen-worker", "same"),  # prefix positions a generation's shares hold there
         "_quarantine": ("block", "same"),
         "_reading": ("block", "id-set"),
         "_writing": ("block", "id-set"),
@@ -221,7 +270,7 @@ class Monitor:
         "failed": "id",
     }
     __slots__ = (
-        ("policy", "complete", "workers", "skip", "violations", "line", "events", "_out")
+        ("policy", "complete", "workers", "kv", "skip", "violations", "line", "events", "_out")
         + _VERDICT
         + ("_lines",)  # witness bookkeeping, not part of key()
     )
@@ -233,12 +282,14 @@ class Monitor:
         complete: bool = False,
         workers: Mapping[str, WorkerSpec] | None = None,
         skip: Iterable[str] = (),
+        kv: KVSpec | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise UsageError("policy", policy, " or ".join(POLICIES))
         self.policy = policy
         self.complete = complete
         self.workers = dict(workers) if workers is not None else None
+        self.kv = kv  # its layers make a commit's readiness cover every layer
         self.skip = check_invariant_ids(skip)
         self.violations: list[Violation] = []
         self.line = 0
@@ -264,6 +315,7 @@ class Monitor:
             complete=header.complete or bool(complete),
             workers=header.workers,
             skip=skip,
+            kv=header.kv,
         )
 
     # -- public -------------------------------------------------------------
@@ -324,6 +376,7 @@ class Monitor:
         new.policy = self.policy
         new.complete = self.complete
         new.workers = self.workers
+        new.kv = self.kv
         new.skip = self.skip
         new.violations = list(self.violations)
         new.line = self.line
@@ -360,10 +413,11 @@ class Monitor:
         complete: bool = False,
         workers: Mapping[str, WorkerSpec] | None = None,
         skip: Iterable[str] = (),
+        kv: KVSpec | None = None,
     ) -> "Monitor":
         """A new monitor (set up as :class:`Monitor` is) in the verdict state
         ``key``, a :meth:`key` value."""
-        return cls(policy, complete=complete, workers=workers, skip=skip).with_key(key)
+        return cls(policy, complete=complete, workers=workers, skip=skip, kv=kv).with_key(key)
 
     @classmethod
     def renamed_key(cls, key: tuple, names: Any, blocks: Mapping[tuple[str, int], int] | None = None) -> tuple:
@@ -456,26 +510,45 @@ class Monitor:
         )
         return tuple(b for b in blocks if b < size)
 
+    def _take_quarantined(self, event: Event, key: tuple[str, int], wb: tuple[str, int], line: int) -> None:
+        worker, b = wb
+        writers = self._writing.get(wb, ())
+        self._report(
+            "early-target-reuse",
+            line,
+            f"{event.EV} of {_fmt_gen(key)} takes block {b} on {worker!r}, quarantined "
+            f"since the restart: transfer(s) {', '.join(map(repr, sorted(writers)))} "
+            f"can still write into it",
+            [self._lines.get(("restart", worker))] + [self._lines.get(("transfer", t)) for t in writers],
+            request=key[0],
+            gen=key[1],
+            worker=worker,
+            block=b,
+        )
+        del self._quarantine[wb]
+
     def _allocate(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], line: int) -> None:
         owner = self._owner
+        shared = self._shared
         lines = self._lines
         for b in self._capacity(event, worker, blocks, line):
             wb = (worker, b)
             if wb in self._quarantine:
+                self._take_quarantined(event, key, wb, line)
+            elif shared and wb in shared:
+                holders = shared.pop(wb)
                 self._report(
-                    "early-target-reuse",
+                    "double-allocation",
                     line,
-                    f"{event.EV} of {_fmt_gen(key)} takes block {b} on {worker!r}, quarantined "
-                    f"since the restart: transfer(s) {', '.join(map(repr, sorted(self._writing.get(wb, ()))))} "
-                    f"can still write into it",
-                    [lines.get(("restart", worker))]
-                    + [lines.get(("transfer", t)) for t in self._writing.get(wb, ())],
+                    f"{event.EV} of {_fmt_gen(key)} takes block {b} on {worker!r}, already shared by "
+                    f"{_gens_text(holders)}",
+                    [lines.get(("alloc", wb))],
                     request=key[0],
                     gen=key[1],
                     worker=worker,
                     block=b,
                 )
-                del self._quarantine[wb]
+                self._release_ticket_block(wb)
             elif wb in owner:
                 other = owner[wb]
                 self._report(
@@ -546,12 +619,22 @@ class Monitor:
                 break
         else:
             return  # the common case: all owned
+        shared = self._shared
         for b in self._capacity(event, worker, blocks, line):
             wb = (worker, b)
             held = owner.get(wb)
             if held == key:
                 continue
-            if held is None:
+            holders = shared.get(wb) if shared else None
+            if holders is not None and key in holders:
+                if role != "writes":
+                    continue
+                why = f"which it shares with {_gens_text(holders - {key})}: a shared prefix is never written"
+                witness = [self._lines.get(("alloc", wb))]
+            elif holders is not None:
+                why = f"which {_gens_text(holders)} share"
+                witness = [self._lines.get(("alloc", wb))]
+            elif held is None:
                 why = "which is free"
                 witness = [self._lines.get(("free", wb))]
             else:
@@ -670,7 +753,8 @@ class Monitor:
     def _on_prefill_done(self, ev: PrefillDone, line: int) -> None:
         key = (ev.request, ev.gen)
         g = self._gen(key)
-        self._gens[key] = g._replace(first_token=ev.first_token, processed_len=ev.processed_len)
+        cached = self._share_tokens.get((key, ev.worker), 0) if self._share_tokens else 0
+        self._gens[key] = g._replace(first_token=ev.first_token, processed_len=ev.processed_len, cached=cached)
         self._lines[("prefill_done", key)] = line
 
     def _on_alloc(self, ev: Alloc, line: int) -> None:
@@ -698,7 +782,8 @@ class Monitor:
         self._ticket_check(ev, ev.ticket, key, ev.dst, line)
         self._owned_by(ev, key, ev.src, ev.src_blocks, "reads", line)
         self._owned_by(ev, key, ev.dst, ev.dst_blocks, "writes", line)
-        t = _Transfer(ev.ticket, key, ev.src, ev.src_blocks, ev.dst, ev.dst_blocks)
+        t = _Transfer(ev.ticket, key, ev.src, ev.src_blocks, ev.dst, ev.dst_blocks,
+                      layers=ev.layers, tokens=ev.tokens)
         self._transfers[tid] = t
         self._inflight[tid] = True
         for b in ev.src_blocks:
@@ -749,27 +834,33 @@ class Monitor:
         self._ticket_check(ev, ev.ticket, key, ev.worker, line)
         tids = self._ticket_transfers.get(ev.ticket, ())
         ready = False
+        ranged: list[_Transfer] = []
         for tid in tids:
             t = self._transfers[tid]
             if t.dst == ev.worker and t.write_done and not t.failed and not t.lost:
-                ready = True
-                break
+                if t.layers is None and t.tokens is None:
+                    ready = True
+                    break
+                ranged.append(t)
+        gap = None
+        if not ready and (ranged or self._share_tokens):
+            gap = self._readiness_gap(key, ev.worker, tids, ranged)
+            ready = gap is None
         if not ready:
-            if not tids:
+            if gap is not None and ranged:
+                layers, positions = gap
+                landed = [tid for tid in tids if self._transfers[tid] in ranged]
+                why = (
+                    f"the landed transfer(s) {', '.join(map(repr, landed))} miss layer(s) "
+                    f"{_range_text(layers)} of prompt positions {_range_text(positions)}"
+                )
+                rest = [tid for tid in tids if tid not in landed]
+                if rest:
+                    why += "; transfer " + "; ".join(self._transfer_state(tid, ev.worker) for tid in rest)
+            elif not tids:
                 why = "no transfer of that ticket has started"
             else:
-                states = []
-                for tid in tids:
-                    t = self._transfers[tid]
-                    if t.failed:
-                        states.append(f"{tid!r} failed")
-                    elif t.lost:
-                        states.append(f"{tid!r} lost its source or target to a restart")
-                    elif t.dst != ev.worker:
-                        states.append(f"{tid!r} writes into {t.dst!r}")
-                    else:
-                        states.append(f"{tid!r} has not finished writing")
-                why = "transfer " + "; ".join(states)
+                why = "transfer " + "; ".join(self._transfer_state(tid, ev.worker) for tid in tids)
             self._report(
                 "commit-before-ready",
                 line,
@@ -784,6 +875,46 @@ class Monitor:
         if key not in self._commits:
             self._commits[key] = ev.worker
             self._lines[("commit", key)] = line
+
+    def _transfer_state(self, tid: str, worker: str) -> str:
+        """Why transfer ``tid`` does not make a commit on ``worker`` ready."""
+        t = self._transfers[tid]
+        if t.failed:
+            return f"{tid!r} failed"
+        if t.lost:
+            return f"{tid!r} lost its source or target to a restart"
+        if t.dst != worker:
+            return f"{tid!r} writes into {t.dst!r}"
+        return f"{tid!r} has not finished writing"
+
+    def _readiness_gap(
+        self, key: tuple[str, int], worker: str, tids: tuple[str, ...], landed: list[_Transfer]
+    ) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """What the landed ranged transfers ``landed`` of a commit of ``key`` on
+        ``worker`` leave uncovered: the first (layers, positions) cell of the
+        KV the commit needs, or None when they cover it.  The commit needs
+        every layer (the header's ``kv.layers``, else as many as the ticket's
+        transfers name) of the prompt positions after the prefix the
+        generation's shares hold there (up to the furthest position a
+        transfer names when the prompt length is unknown)."""
+        start = self._share_tokens.get((key, worker), 0) if self._share_tokens else 0
+        mine = [self._transfers[tid] for tid in tids]
+        mine = [t for t in mine if t.dst == worker]
+        layers = self.kv.layers if self.kv is not None else None
+        if layers is None:
+            layers = max([t.layers[1] for t in mine if t.layers is not None], default=1)
+        end = self._gen(key).prompt_len
+        if end is None:
+            end = max([t.tokens[1] for t in mine if t.tokens is not None], default=start + 1)
+            if not landed:
+                return (0, layers), (start, end)  # nothing landed and nothing is known to be shared
+        if start > 0 and start >= end:
+            return None  # a prefix-cache hit of the whole prompt: nothing to move
+        if not landed:
+            return (0, layers), (start, end)
+        everything = (0, max(layers, end, 1))
+        rects = [(t.layers or everything, t.tokens or everything) for t in landed]
+        return _coverage_gap(rects, layers, start, end)
 
     def _on_decode(self, ev: Decode, line: int) -> None:
         key = (ev.request, ev.gen)
@@ -820,6 +951,8 @@ class Monitor:
         problem = None
         if g.first_token is None:
             problem = "no prefill_done recorded the first token"
+        elif g.cached:
+            problem = self._cached_boundary(ev, g)
         elif ev.position != g.processed_len:
             problem = (
                 f"position {ev.position}, but prefill processed {g.processed_len} tokens: the "
@@ -840,6 +973,32 @@ class Monitor:
                 worker=ev.worker,
             )
         self._check_budget(ev, key, g, 0, line)
+
+    @staticmethod
+    def _cached_boundary(ev: Decode, g: _Gen) -> str | None:
+        """first-token-boundary after a prefix-cache hit of ``g.cached`` positions
+        on the prefill worker: prefill processed either the whole prompt or the
+        rest after the cached prefix, and the first token goes where the prompt
+        ends."""
+        processed, cached = g.processed_len, g.cached
+        assert processed is not None
+        ends = {processed, processed + cached}
+        if g.prompt_len is not None:
+            if g.prompt_len not in ends:
+                return (
+                    f"prefill processed {processed} tokens after a cached prefix of {cached}, but the "
+                    f"prompt has {g.prompt_len} tokens"
+                )
+            ends = {g.prompt_len}
+        if ev.position not in ends:
+            end = " or ".join(str(e) for e in sorted(ends))
+            return (
+                f"position {ev.position}, but the prompt ends at {end} (prefill processed {processed} "
+                f"tokens after a cached prefix of {cached}): the first token goes at position {end}"
+            )
+        if ev.input_token != g.first_token:
+            return f"input_token {ev.input_token}, but prefill sampled first token {g.first_token}"
+        return None
 
     def _next_decode(
         self, ev: Decode, key: tuple[str, int], g: _Gen, progress: tuple[int, int, int], line: int
@@ -896,10 +1055,15 @@ class Monitor:
         lines = self._lines
         early_read: dict[tuple, list[int]] = {}
         early_write: dict[tuple, list[int]] = {}
+        shared = self._shared
         for b in self._capacity(ev, worker, ev.blocks, line):
             wb = (worker, b)
             held = owner.get(wb)
-            if held is None:
+            if held is None and shared and wb in shared:
+                held = self._free_shared(ev, wb, line)
+                if held is None:
+                    continue  # other owners still hold it, or a bad free changed nothing
+            elif held is None:
                 why = "quarantined after a restart" if wb in self._quarantine else "not owned"
                 self._bad_free(ev, line, b, f"free of block {b} on {worker!r}, which is {why}",
                                lines.get(("free", wb)))
@@ -916,7 +1080,7 @@ class Monitor:
             writers = self._writing.get(wb)
             if writers:
                 early_write.setdefault((held, writers), []).append(b)
-            del owner[wb]
+            owner.pop(wb, None)  # (a shared block left _shared already)
             self._release_ticket_block(wb)
             lines[("free", wb)] = line
         for invariant, found, verb in (
@@ -937,16 +1101,108 @@ class Monitor:
                     transfer=min(tids),
                 )
 
+    def _free_shared(self, ev: Free, wb: tuple[str, int], line: int) -> tuple[str, int] | None:
+        """Drop the references a free names on the shared block ``wb``.  Returns
+        the generation to name when the block returns to the pool (then the
+        caller releases it), else None."""
+        worker, b = wb
+        holders = self._shared[wb]
+        if ev.request is None:
+            self._bad_free(ev, line, b, f"free of block {b} on {worker!r} names no generation, but "
+                           f"{_gens_text(holders)} share it: each owner frees its own reference",
+                           self._lines.get(("alloc", wb)))
+            del self._shared[wb]
+            return min(holders)
+        mine = frozenset(k for k in holders if k[0] == ev.request and (ev.gen is None or k[1] == ev.gen))
+        if not mine:
+            named = ev.request if ev.gen is None else _fmt_gen((ev.request, ev.gen))
+            self._bad_free(ev, line, b, f"free of block {b} on {worker!r} for {named}, but "
+                           f"{_gens_text(holders)} share it", self._lines.get(("alloc", wb)))
+            return None
+        rest = holders - mine
+        if not rest:
+            del self._shared[wb]
+            return min(mine)
+        ticket = self._block_ticket.get(wb)
+        if ticket is not None and self._tickets[ticket].gen in mine:
+            self._release_ticket_block(wb)
+        if len(rest) == 1:
+            del self._shared[wb]
+            (self._owner[wb],) = rest
+        else:
+            self._shared[wb] = rest
+        return None
+
+    def _on_share(self, ev: Share, line: int) -> None:
+        key = (ev.request, ev.gen)
+        worker = ev.worker
+        self._check_live(ev, key, line)
+        owner = self._owner
+        shared = self._shared
+        lines = self._lines
+        writing_reported = False
+        for b in self._capacity(ev, worker, ev.blocks, line):
+            wb = (worker, b)
+            if wb in self._quarantine:
+                self._take_quarantined(ev, key, wb, line)
+                owner[wb] = key
+                lines[("alloc", wb)] = line
+                continue
+            held = owner.get(wb)
+            holders = shared.get(wb)
+            if held == key or (holders is not None and key in holders):
+                self._report(
+                    "double-allocation",
+                    line,
+                    f"share of {_fmt_gen(key)} takes block {b} on {worker!r}, which it already holds",
+                    [lines.get(("alloc", wb))],
+                    request=key[0],
+                    gen=key[1],
+                    worker=worker,
+                    block=b,
+                )
+                continue
+            writers = self._writing.get(wb)
+            if writers and not writing_reported:
+                others = sorted(t for t in writers if self._transfers[t].gen != key)
+                if others:
+                    writing_reported = True  # one report per event is enough
+                    self._report(
+                        "foreign-block-access",
+                        line,
+                        f"share of {_fmt_gen(key)} takes block {b} on {worker!r}, which transfer(s) "
+                        f"{', '.join(map(repr, others))} of {_gens_text({self._transfers[t].gen for t in others})} "
+                        f"can still write into: a shared prefix is never written",
+                        [lines.get(("transfer", t)) for t in others],
+                        request=key[0],
+                        gen=key[1],
+                        worker=worker,
+                        block=b,
+                        transfer=others[0],
+                    )
+            if held is not None:
+                del owner[wb]
+                shared[wb] = frozenset((held, key))
+            elif holders is not None:
+                shared[wb] = holders | {key}
+            else:
+                owner[wb] = key  # a free block whose cached KV the share revives
+            lines[("alloc", wb)] = line
+        self._share_tokens[(key, worker)] = ev.tokens
+
     def _on_restart(self, ev: Restart, line: int) -> None:
         worker = ev.worker
         self._incarnation[worker] = ev.incarnation
         self._lines[("restart", worker)] = line
-        for wb in [wb for wb in self._owner if wb[0] == worker]:
-            del self._owner[wb]
-            self._block_ticket.pop(wb, None)
-            self._lines[("free", wb)] = line
-            if wb in self._writing:
-                self._quarantine[wb] = True
+        for table in (self._owner, self._shared):
+            for wb in [wb for wb in table if wb[0] == worker]:
+                del table[wb]
+                self._block_ticket.pop(wb, None)
+                self._lines[("free", wb)] = line
+                if wb in self._writing:
+                    self._quarantine[wb] = True
+        for gw in [gw for gw in self._share_tokens if gw[1] == worker]:
+            del self._share_tokens[gw]
         for ticket in [t for t in self._ticket_left if self._tickets[t].worker == worker]:
             self._close_ticket(ticket)
         for tid in list(self._inflight):
@@ -965,6 +1221,10 @@ class Monitor:
         for (worker, b), key in self._owner.items():
             if self._gens.get(key, _NEW_GEN).terminal:
                 held.setdefault((key, worker), []).append(b)
+        for (worker, b), keys in self._shared.items():
+            for key in keys:
+                if self._gens.get(key, _NEW_GEN).terminal:
+                    held.setdefault((key, worker), []).append(b)
         for (key, worker), blocks in sorted(held.items()):
             blocks.sort()
             self._report(
@@ -1037,6 +1297,8 @@ def _rename_functions(names: Mapping[str, str], blocks: Mapping[tuple[str, int],
         "block": wb,
         "id-set": lambda v: frozenset(map(rn, v)),
         "id-tuple": lambda v: tuple(map(rn, v)),
+        "gen-set": lambda v: frozenset(map(gk, v)),
+        "gen-worker": lambda k: (gk(k[0]), rn(k[1])),
         "transfer": transfer,
         "ticket": lambda t: t._replace(gen=gk(t.gen), worker=rn(t.worker)),
     }
@@ -1060,4 +1322,5 @@ _DISPATCH: dict[type, Callable[[Monitor, Any, int], None]] = {
     Fail: Monitor._on_end,
     Free: Monitor._on_free,
     Restart: Monitor._on_restart,
+    Share: Monitor._on_share,
 }
