@@ -229,7 +229,7 @@ def quantize(
         kept = scale_axes(xf.ndim, granularity, block_axis=block_axis, head_axis=head_axis,
                           keep_axes=keep_axes)
         reduce = [i for i in range(xf.ndim) if i not in kept]
-        mag = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros((), device=xf.device))
+        mag = xf.abs().nan_to_num_(nan=0.0, posinf=0.0)  # amax of the finite values
         amax = mag.amax(dim=reduce, keepdim=True) if reduce else mag
         s = scale_for(amax, fmt)
     else:
@@ -288,10 +288,11 @@ def close(
     shape; ``bool(close(...).all())`` for one answer.
     """
     a = actual.float()
-    e = expected.float().to(a.device)
+    e = expected.to(device=a.device, dtype=torch.float32)
     s = torch.as_tensor(scale, dtype=torch.float32, device=a.device).abs()
-    bound = (tolerance(dtype) + _F32_SLACK) * e.abs() + abs_slack(dtype) * s * (1 + _F32_SLACK)
-    return ((a - e).abs() <= bound) & torch.isfinite(e)  # nan compares False; inf is never stored
+    bound = e.abs().mul_(tolerance(dtype) + _F32_SLACK).add_(s * (abs_slack(dtype) * (1 + _F32_SLACK)))
+    bound.nan_to_num_(nan=-1.0, posinf=-1.0)  # nothing is close to an infinite or nan expected
+    return torch.sub(a, e).abs_() <= bound  # a nan in actual compares False
 
 
 def grid(dtype: str | torch.dtype) -> torch.Tensor:
