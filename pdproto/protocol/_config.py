@@ -42,6 +42,11 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise UsageError(attribute.name, value, "an integer >= 1")
 
 
+def _flag(instance: object, attribute: attrs.Attribute, value: bool) -> None:
+    if type(value) is not bool:
+        raise UsageError(attribute.name, value, "True or False")
+
+
 def _policy(instance: object, attribute: attrs.Attribute, value: str) -> None:
     if value not in POLICIES:
         raise UsageError("policy", value, " or ".join(POLICIES))
@@ -60,6 +65,23 @@ class ModelConfig:
     ``prompt_len`` tokens fills ``ceil(prompt_len / block_size)`` blocks.
     ``faults`` maps each kind of :data:`FAULT_KINDS` to its budget (missing
     kinds are 0).
+
+    Format 1.1 behaviour, off by default (every flag off: the model, its
+    state counts and its traces are those of format 1):
+
+    - ``prefix_cache``: every prompt starts with the same prefix, and P
+      caches it: the full blocks before the prompt's last token
+      (``(prompt_len - 1) // block_size`` of them; at least one is needed).
+      The first generation to prefill them on a P worker publishes them; a
+      later prefill on that worker takes a reference on them (a ``share``
+      event) instead of allocating and computing them, while any generation
+      still holds them.  A block goes back to the pool when its last owner
+      frees it (and is then evicted from the cache).
+    - ``chunks``: the handoff is ``chunks`` transfers under one ticket, one
+      after the other; each moves a range of the prompt's positions
+      (``tokens=[lo, hi)``, split as evenly as possible) or, with
+      ``layerwise``, one layer of ``chunks`` layers (``layers=[i, i+1)``).
+      The KV is ready when every chunk has landed.
     """
 
     policy: str = attrs.field(default="push", validator=_policy)
@@ -71,11 +93,27 @@ class ModelConfig:
     prompt_len: int = attrs.field(default=3, validator=_positive)
     max_new_tokens: int = attrs.field(default=2, validator=_positive)
     faults: Mapping[str, int] = attrs.field(factory=dict, converter=_faults, hash=False)
+    prefix_cache: bool = attrs.field(default=False, validator=_flag)
+    chunks: int = attrs.field(default=1, validator=_positive)
+    layerwise: bool = attrs.field(default=False, validator=_flag)
 
     def __init__(self, *args: Any, mode: str | None = None, **kwargs: Any) -> None:
         if mode is not None:
             kwargs["policy"] = mode
         self.__attrs_init__(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def __attrs_post_init__(self) -> None:
+        if self.prefix_cache and self.prefix_blocks < 1:
+            raise UsageError(
+                "prefix_cache with prompt_len", self.prompt_len,
+                f"a prompt longer than one block (block_size {self.block_size}): the cached prefix is "
+                "the full blocks before the last prompt token",
+            )
+        if self.layerwise and self.chunks < 2:
+            raise UsageError("chunks with layerwise", self.chunks, "an integer >= 2 (one layer per chunk)")
+        if not self.layerwise and self.chunks > self.prompt_len:
+            raise UsageError("chunks", self.chunks, f"at most prompt_len ({self.prompt_len}): a chunk moves "
+                             "at least one position")
 
     @property
     def mode(self) -> str:
@@ -85,7 +123,30 @@ class ModelConfig:
     def __hash__(self) -> int:  # faults is a dict; hash its items
         return hash((self.policy, self.requests, self.prefill_workers, self.decode_workers,
                      self.blocks, self.block_size, self.prompt_len, self.max_new_tokens,
-                     tuple(sorted(self.faults.items()))))
+                     tuple(sorted(self.faults.items())), self.prefix_cache, self.chunks, self.layerwise))
+
+    @property
+    def prefix_blocks(self) -> int:
+        """Blocks of the cached prefix: the full blocks before the last prompt token."""
+        return (self.prompt_len - 1) // self.block_size
+
+    @property
+    def chunk_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The ``[lo, hi)`` of each chunk: prompt positions, or layers with ``layerwise``."""
+        total = self.chunks if self.layerwise else self.prompt_len
+        return tuple((total * i // self.chunks, total * (i + 1) // self.chunks) for i in range(self.chunks))
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The format 1.1 features this configuration's histories use (empty: format 1)."""
+        out = set()
+        if self.prefix_cache:
+            out.add("share")
+        if self.chunks > 1:
+            out.add("ranges")
+        if self.layerwise:
+            out.add("kv")
+        return frozenset(out)
 
     @property
     def blocks_per_request(self) -> int:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec._events import Free, PrefillDone, PrefillStart, Reserve, Restart, Submit, TransferFailed
+from ..spec._events import Free, PrefillDone, PrefillStart, Reserve, Restart, Share, Submit, TransferFailed
 from ..spec._events import TransferAbort, TransferReadDone, TransferWriteDone
 from ._config import FAULT_KINDS
 from ._rules import Kind, Rule, RuleBook, RuleTable
 from ._state import COMMITTED, FAILED, LIVE, PREFILLED, PREFILLING, QUEUED, RESERVED, TRANSFERRING, WAITING
 from ._state import CANCELLED, FINISHED, Phase, Req, Xfer, XferState
 from ._state import NOTIFY, READY, RELEASE, with_aborted, with_dst, with_msgs, with_ph, with_src, with_xfers, with_xs
+from ._state import NO_PREFIX, OWN_PREFIX, SHARED_PREFIX, with_pfx
 
 __all__ = ["PUSH", "PULL", "REFERENCE"]
 
@@ -41,7 +42,15 @@ def d_has_room(m: Any, s: Any, r: int, q: Req) -> bool:
 
 
 def p_has_room(m: Any, s: Any, r: int, q: Req) -> bool:
-    return len(m.free_blocks(s, q.p)) >= m.nsrc
+    need = m.nsrc
+    if m.prefix_blocks and _prefix_hit(m, s, r, q):
+        need -= m.prefix_blocks
+    return len(m.free_blocks(s, q.p)) >= need
+
+
+def _prefix_hit(m: Any, s: Any, r: int, q: Req) -> bool:
+    guard = m.table.share_prefix.guard
+    return guard is None or bool(guard(m, s, r, q))
 
 
 def take_target(m: Any, s: Any, r: int, q: Req, ev: list) -> Req:
@@ -60,22 +69,52 @@ def reserve_pull(m: Any, s: Any, r: int, q: Req, ev: list) -> Any:
 
 
 def prefill_start(m: Any, s: Any, r: int, q: Req, ev: list) -> Any:
-    blocks = tuple(m.free_blocks(s, q.p)[: m.nsrc])
+    if m.prefix_blocks and _prefix_hit(m, s, r, q):
+        q = m.table.share_prefix.effect(m, s, r, q, ev)
+    blocks = tuple(m.free_blocks(s, q.p)[: m.nsrc - len(q.src)])
     ev.append(PrefillStart(m.rname[r], q.gen, m.wname[q.p], blocks))
-    return m.set_req(s, r, q._replace(ph=PREFILLING, src=blocks, pinc=s.inc[q.p]))
+    return m.set_req(s, r, q._replace(ph=PREFILLING, src=q.src + blocks, pinc=s.inc[q.p]))
 
 
-def _prefilled(m: Any, r: int, q: Req, ev: list) -> None:
-    ev.append(PrefillDone(m.rname[r], q.gen, m.wname[q.p], m.first_token(r, q.gen), m.prompt_len))
+def prefix_cached(m: Any, s: Any, r: int, q: Req) -> bool:
+    return bool(m.cached_prefix(s, q.p))
+
+
+def share_prefix(m: Any, s: Any, r: int, q: Req, ev: list) -> Req:
+    """The generation takes a reference on the prefix blocks P has cached."""
+    blocks = m.cached_prefix(s, q.p)
+    ev.append(Share(m.rname[r], q.gen, m.wname[q.p], blocks, m.prefix_tokens))
+    return q._replace(src=blocks, pfx=SHARED_PREFIX)
+
+
+def prefix_uncached(m: Any, s: Any, r: int, q: Req) -> bool:
+    return q.pfx == NO_PREFIX and not m.cached_prefix(s, q.p)
+
+
+def publish_prefix(m: Any, s: Any, r: int, q: Req, ev: list) -> Req:
+    return with_pfx(q, OWN_PREFIX)
+
+
+def _prefilled(m: Any, s: Any, r: int, q: Req, ev: list) -> Req:
+    done = m.prompt_len
+    if m.prefix_blocks:
+        if q.pfx == SHARED_PREFIX:
+            done -= m.prefix_tokens
+        else:
+            rule = m.table.publish_prefix
+            if rule.guard is None or rule.guard(m, s, r, q):
+                q = rule.effect(m, s, r, q, ev)
+    ev.append(PrefillDone(m.rname[r], q.gen, m.wname[q.p], m.first_token(r, q.gen), done))
+    return q
 
 
 def prefill_done_push(m: Any, s: Any, r: int, q: Req, ev: list) -> Any:
-    _prefilled(m, r, q, ev)
+    q = _prefilled(m, s, r, q, ev)
     return m.start_transfer(s, r, with_ph(q, TRANSFERRING), ev)
 
 
 def prefill_done_pull(m: Any, s: Any, r: int, q: Req, ev: list) -> Any:
-    _prefilled(m, r, q, ev)
+    q = _prefilled(m, s, r, q, ev)
     return m.send(m.set_req(s, r, with_ph(q, PREFILLED)), READY, r, q.gen, q.p, q.d)
 
 
@@ -129,15 +168,27 @@ def _end_with(how: Any, reason: str | None) -> Any:
 
 
 def xfer_done(m: Any, s: Any, i: int, x: Xfer, ev: list) -> Any:
-    tid = m.tid(x.r, x.gen)
+    tid = m.tid(x.r, x.gen, x.chunk)
     ev.append(TransferReadDone(tid))
     ev.append(TransferWriteDone(tid))
     s = with_xfers(s, s.xfers[:i] + s.xfers[i + 1 :])
+    if m.chunks > 1:
+        rule = m.table.next_chunk
+        if rule.guard is None or rule.guard(m, s, x, s.reqs[x.r]):
+            return rule.effect(m, s, x, s.reqs[x.r], ev)
     return m.table.on_xfer_done.effect(m, s, x, with_xs(s.reqs[x.r], DONE), ev)
 
 
+def chunks_left(m: Any, s: Any, x: Xfer, q: Req) -> bool:
+    return x.chunk + 1 < m.chunks and not x.aborted and q.end is LIVE
+
+
+def next_chunk(m: Any, s: Any, x: Xfer, q: Req, ev: list) -> Any:
+    return m.start_chunk(s, x.r, q, x.chunk + 1, ev)
+
+
 def xfer_fail(m: Any, s: Any, i: int, x: Xfer, ev: list) -> Any:
-    ev.append(TransferFailed(m.tid(x.r, x.gen)))
+    ev.append(TransferFailed(m.tid(x.r, x.gen, x.chunk)))
     s = with_xfers(s, s.xfers[:i] + s.xfers[i + 1 :])
     return m.table.on_xfer_failed.effect(m, s, x, with_xs(s.reqs[x.r], XferState.FAILED), ev)
 
@@ -265,7 +316,7 @@ def cleanup(m: Any, s: Any, r: int, ev: list) -> Any:
     if xi >= 0:
         x = s.xfers[xi]
         if not x.aborted and not x.doomed:
-            ev.append(TransferAbort(m.tid(x.r, x.gen)))
+            ev.append(TransferAbort(m.tid(x.r, x.gen, x.chunk)))
             s = with_xfers(s, s.xfers[:xi] + (with_aborted(x, True),) + s.xfers[xi + 1 :])
     table = m.table
     for held, rule in ((q.src, table.free_source), (q.dst, table.free_target)):
@@ -314,14 +365,27 @@ TIMEOUT = Rule(
 )
 TRANSFER_RULES = (
     Rule("xfer_done", T, "xfer", "transfer in flight (aborted or not), neither endpoint restarted",
-         "every read and write landed; the initiator's completion handler runs",
-         ("transfer_read_done", "transfer_write_done"), None, xfer_done, calls=("on_xfer_done",),
+         "every read and write landed; the initiator's completion handler runs (next_chunk first)",
+         ("transfer_read_done", "transfer_write_done"), None, xfer_done, calls=("next_chunk", "on_xfer_done"),
          at=("running", "aborted")),
     Rule("xfer_fail", T, "xfer", "aborted, or an endpoint restarted", "the transfer ends without success",
          ("transfer_failed",), None, xfer_fail, calls=("on_xfer_failed",), at=("aborted", "doomed")),
     Rule("xfer_fault", T, "xfer", "any other transfer in flight", "the data plane fails the transfer",
          ("transfer_failed",), None, xfer_fail, fault="transfer_fail", action="xfer_fail",
          calls=("on_xfer_failed",), at=("running",)),
+)
+NEXT_CHUNK = Rule(
+    "next_chunk", H, "initiator", "chunks > 1: a chunk landed, chunks are left, the generation is live, "
+    "the transfer was not aborted", "the initiator starts the next chunk's transfer under the same ticket "
+    "(on_xfer_done runs after the last chunk only)", ("transfer_start",), chunks_left, next_chunk,
+)
+PREFIX_RULES = (
+    Rule("share_prefix", H, "P", "prefix_cache: a generation on P holds the cached prefix",
+         "prefill_start takes a reference on the prefix blocks (share) and allocates only the rest; "
+         "prefill then computes the positions after the prefix", ("share",), prefix_cached, share_prefix),
+    Rule("publish_prefix", H, "P", "prefix_cache: prefill done, P caches no prefix, the generation shares none",
+         "the generation's first source blocks become P's cached prefix (until their last owner frees them)",
+         (), prefix_uncached, publish_prefix),
 )
 ON_XFER_FAILED = Rule(
     "on_xfer_failed", H, "initiator", "a transfer ended without success",
@@ -352,7 +416,8 @@ CLEANUP_RULES = (
          "every worker sees the token: the initiator aborts a transfer in flight; then free_source, free_target",
          ("transfer_abort",), None, cleanup, calls=("free_source", "free_target")),
     Rule("free_source", H, "P", "the generation ended and no transfer of it is in flight",
-         "P frees its source blocks", ("free",), untouched, free_source),
+         "P frees its source blocks (a shared prefix block: drops its reference)", ("free",), untouched,
+         free_source),
     Rule("free_target", H, "D", "the generation ended and no transfer of it is in flight",
          "D frees its target blocks", ("free",), untouched, free_target),
 )
@@ -379,10 +444,12 @@ PUSH = RuleTable("push", (
     Rule("reserve", R, "D", "queued (Q) and D has free blocks", "D takes target blocks under ticket t:r:gen",
          ("reserve",), d_has_room, reserve_push, phases=(QUEUED,)),
     Rule("prefill_start", R, "P", "reserved (R) and P has free blocks", "P takes source blocks and prefills",
-         ("prefill_start",), p_has_room, prefill_start, phases=(RESERVED,)),
+         ("prefill_start",), p_has_room, prefill_start, phases=(RESERVED,), calls=("share_prefix",)),
     Rule("prefill_done", R, "P", "prefilling (P)",
          "first token sampled (not in the KV); P starts writing into D's ticket blocks",
-         ("prefill_done", "transfer_start"), None, prefill_done_push, phases=(PREFILLING,)),
+         ("prefill_done", "transfer_start"), None, prefill_done_push, phases=(PREFILLING,),
+         calls=("publish_prefix",)),
+    *PREFIX_RULES,
     DECODE,
     Rule("finish", R, "D", "committed (C), live, max_new_tokens tokens produced",
          "the generation finishes; cleanup (D frees its target)", ("finish",),
@@ -391,6 +458,7 @@ PUSH = RuleTable("push", (
     _expire("transfer done and no notify", TRANSFERRING, notify_gone),
     TIMEOUT,
     *TRANSFER_RULES,
+    NEXT_CHUNK,
     _on_xfer_done("P", "P frees its source and sends notify to D", "free", on_xfer_done_push),
     ON_XFER_FAILED,
     *MESSAGE_RULES,
@@ -407,9 +475,10 @@ PULL = RuleTable("pull", (
          "D takes target blocks under ticket t:r:gen and starts reading from P",
          ("reserve", "transfer_start"), d_has_room, reserve_pull, phases=(WAITING,)),
     Rule("prefill_start", R, "P", "queued (Q) and P has free blocks", "P takes source blocks and prefills",
-         ("prefill_start",), p_has_room, prefill_start, phases=(QUEUED,)),
+         ("prefill_start",), p_has_room, prefill_start, phases=(QUEUED,), calls=("share_prefix",)),
     Rule("prefill_done", R, "P", "prefilling (P)", "first token sampled (not in the KV); P sends ready to D",
-         ("prefill_done",), None, prefill_done_pull, phases=(PREFILLING,)),
+         ("prefill_done",), None, prefill_done_pull, phases=(PREFILLING,), calls=("publish_prefix",)),
+    *PREFIX_RULES,
     DECODE,
     Rule("finish", R, "D", "committed (C), live, max_new_tokens tokens produced",
          "the generation finishes; cleanup (D frees its target; P its source if the release has not come)",
@@ -421,6 +490,7 @@ PULL = RuleTable("pull", (
     _expire("prefilled (F) and no ready", PREFILLED, ready_gone),
     TIMEOUT,
     *TRANSFER_RULES,
+    NEXT_CHUNK,
     _on_xfer_done("D", "D commits and sends release to P", "commit", on_xfer_done_pull),
     ON_XFER_FAILED,
     *MESSAGE_RULES,

@@ -44,7 +44,7 @@ from ._model import Action, ActionNotEnabled, Renaming
 from ._push_pull import REFERENCE
 from ._rules import AT, Kind, Rule, RuleBook, RuleTable
 from ._state import CANCELLED, COMMITTED, FAILED, FINISHED, End, HState, Msg, MsgKind, Phase, Req, Xfer, XferState
-from ._state import new, with_end, with_msgs, with_ndec, with_ph, with_reqs, with_xfers, with_xs
+from ._state import SHARED_PREFIX, new, with_end, with_msgs, with_ndec, with_ph, with_reqs, with_xfers, with_xs
 from ._symmetry import HandoffSymmetry
 
 __all__ = ["HandoffModel", "Handoff", "HState", "Req", "Xfer", "Msg", "transition_table", "transition_table_markdown"]
@@ -119,15 +119,19 @@ class HandoffModel:
         self.prompt_len = config.prompt_len
         self.max_new = config.max_new_tokens
         self.nsrc = config.blocks_per_request
+        #: format 1.1: blocks (and tokens) of the cached prefix (0: no prefix cache), chunks per handoff
+        self.prefix_blocks = config.prefix_blocks if config.prefix_cache else 0
+        self.prefix_tokens = self.prefix_blocks * config.block_size
+        self.chunks = config.chunks
+        self.layerwise = config.layerwise
+        self.chunk_ranges = config.chunk_ranges
         # D keeps room for the prompt and every decoded position
         self.ndst = max(self.nsrc, _ceil(config.prompt_len + config.max_new_tokens - 1, config.block_size))
         self.wname = tuple(f"P{i}" for i in range(self.np)) + tuple(f"D{i}" for i in range(self.nd))
         self.rname = tuple(f"r{i}" for i in range(config.requests))
         workers = {f"P{i}": WorkerSpec("prefill", config.blocks) for i in range(self.np)}
         workers.update({f"D{i}": WorkerSpec("decode", config.blocks) for i in range(self.nd)})
-        self.header = HistoryHeader(
-            policy=config.policy, complete=True, workers=workers, extra={"block_size": config.block_size}
-        )
+        self.header = _header(config, workers)
         self.budget0 = tuple(config.faults[k] for k in FAULT_KINDS)
         self._cache_state: Any = None
         self._cache_acts: tuple = ()
@@ -153,8 +157,8 @@ class HandoffModel:
     def ticket(self, r: int, gen: int) -> str:
         return f"t:{self.rname[r]}:{gen}"
 
-    def transfer_id(self, r: int, gen: int) -> str:
-        return f"x:{self.rname[r]}:{gen}:0"
+    def transfer_id(self, r: int, gen: int, chunk: int = 0) -> str:
+        return f"x:{self.rname[r]}:{gen}:{chunk}"
 
     def first_token(self, r: int, gen: int) -> int:
         # Depends on the generation only, not on the request: symmetry
@@ -163,10 +167,12 @@ class HandoffModel:
         # monitor compares tokens only within one generation.
         return FIRST_TOKEN + gen
 
-    def tid(self, r: int, gen: int) -> str:
-        """``transfer_id(r, gen)``, one string object per id."""
-        t = self._tids.get((r, gen))
-        return t if t is not None else self._tids.setdefault((r, gen), self.transfer_id(r, gen))
+    def tid(self, r: int, gen: int, chunk: int = 0) -> str:
+        """``transfer_id(r, gen, chunk)``, one string object per id."""
+        t = self._tids.get((r, gen, chunk))
+        if t is None:  # a subclass's transfer_id(r, gen) of format 1 still works without chunks
+            t = self._tids[(r, gen, chunk)] = self.transfer_id(r, gen, chunk) if chunk else self.transfer_id(r, gen)
+        return t
 
     def tk(self, r: int, gen: int) -> str:
         """``ticket(r, gen)``, one string object per id."""
@@ -204,7 +210,7 @@ class HandoffModel:
         elif kind is _MESSAGE:
             nstate = effect(self, state, target, state[2][target], ev)
         elif kind is _TRANSFER:
-            i = self._xfer_index(state, *target)
+            i = self._xfer_index(state, target[0], target[1])
             if i < 0:
                 raise KeyError(target)
             nstate = effect(self, state, i, state[1][i], ev)
@@ -318,7 +324,7 @@ class HandoffModel:
                     for j, k, guard in plan[2 if x.doomed else x.aborted]:  # AT["transfer"]
                         if (k < 0 or budget[k]) and (guard is None or guard(self, s, x)):
                             if acts is None:
-                                acts = self._run_actions(run, (x.r, x.gen))
+                                acts = self._run_actions(run, (x.r, x.gen, x.chunk))
                             add(acts[j])
             elif kind is _MESSAGE:
                 for i, m in enumerate(msgs):
@@ -364,6 +370,14 @@ class HandoffModel:
                 if x.d == w and fenced(self, state, x):
                     out += x.dst
         return out
+
+    def cached_prefix(self, state: HState, w: int) -> tuple[int, ...]:
+        """The prefix blocks P worker ``w`` has cached: those a generation on
+        ``w`` holds as its shared or published prefix (``()``: none)."""
+        for q in state.reqs:
+            if q.pfx and q.p == w and q.src:
+                return q.src[: self.prefix_blocks]  # type: ignore[no-any-return]
+        return ()
 
     def xfer_of(self, state: HState, r: int) -> int:
         """Index of the transfer of request ``r``'s current generation, or -1."""
@@ -423,11 +437,29 @@ class HandoffModel:
         return self.table.cleanup.effect(self, s, r, ev)  # type: ignore[no-any-return]
 
     def start_transfer(self, s: HState, r: int, q: Req, ev: list) -> HState:
+        """Start the handoff of ``r``: its transfer (its first chunk's)."""
+        if self.chunks > 1:
+            return self.start_chunk(s, r, with_xs(q, XferState.IN_FLIGHT), 0, ev)
         dst = q.dst[: self.nsrc]
         tk, tid = self.tk(r, q.gen), self.tid(r, q.gen)
         ev.append(TransferStart(tid, tk, self.rname[r], q.gen, self.wname[q.p], q.src, self.wname[q.d], dst))
         s = self.set_req(s, r, with_xs(q, XferState.IN_FLIGHT))
         return with_xfers(s, s.xfers + (Xfer(r, q.gen, q.p, q.src, q.d, dst),))
+
+    def start_chunk(self, s: HState, r: int, q: Req, c: int, ev: list) -> HState:
+        """Start chunk ``c`` of the handoff of ``r``: the blocks holding its
+        positions (every block, for a layer), under the generation's ticket."""
+        lo, hi = self.chunk_ranges[c]
+        if self.layerwise:
+            src, dst, layers, tokens = q.src, q.dst[: self.nsrc], (lo, hi), None
+        else:
+            first, end = lo // self.bs, _ceil(hi, self.bs)
+            src, dst, layers, tokens = q.src[first:end], q.dst[first:end], None, (lo, hi)
+        tid = self.tid(r, q.gen, c)
+        ev.append(TransferStart(tid, self.tk(r, q.gen), self.rname[r], q.gen, self.wname[q.p], src,
+                                self.wname[q.d], dst, layers, tokens))
+        s = self.set_req(s, r, q)
+        return with_xfers(s, s.xfers + (Xfer(r, q.gen, q.p, src, q.d, dst, chunk=c),))
 
     def commit(self, s: HState, r: int, q: Req, ev: list, ticket: str) -> HState:
         ev.append(Commit(self.rname[r], q.gen, ticket, self.wname[q.d]))
@@ -442,9 +474,17 @@ class HandoffModel:
     # -- properties ------------------------------------------------------
 
     def _exclusive_blocks(self, s: HState) -> bool:
+        """No block has two holders, but for the cached prefix blocks (held
+        by every generation that shares them, and by no one else)."""
         seen = set()
+        shared = set()
         for q in s.reqs:
-            for b in q.src:
+            src = q.src
+            if q.pfx:
+                k = self.prefix_blocks
+                shared.update((q.p, b) for b in src[:k])
+                src = src[k:]
+            for b in src:
                 if (q.p, b) in seen:
                     return False
                 seen.add((q.p, b))
@@ -457,7 +497,7 @@ class HandoffModel:
                 for b in x.dst:
                     if (x.d, b) in seen:
                         return False
-        return True
+        return not shared or not (shared & seen)
 
     def _make_sometimes(self) -> dict[str, Callable[[HState], bool]]:
         out: dict[str, Callable[[HState], bool]] = {}
@@ -474,7 +514,25 @@ class HandoffModel:
             out["retry-finished"] = lambda s: any(q.gen >= 1 and q.end is FINISHED for q in s.reqs)
         if self.budget0[_CANCEL]:
             out["cancelled"] = lambda s: any(q.end is CANCELLED for q in s.reqs)
+        if self.prefix_blocks:
+            out["prefix-shared"] = lambda s: any(q.pfx == SHARED_PREFIX for q in s.reqs)
+        if self.chunks > 1:
+            out["last-chunk"] = lambda s: any(x.chunk == self.chunks - 1 for x in s.xfers)
         return out
+
+
+def _header(config: ModelConfig, workers: dict) -> HistoryHeader:
+    """The history header of ``config``'s traces: format 1, or 1.1 with the
+    features the configuration uses (``kv.layers`` for layer-wise chunks)."""
+    extra = {"block_size": config.block_size}
+    features = config.features
+    if not features:
+        return HistoryHeader(policy=config.policy, complete=True, workers=workers, extra=extra)
+    from ..spec import KVSpec  # type: ignore[attr-defined]
+
+    kv = KVSpec(layers=config.chunks) if config.layerwise else None
+    return HistoryHeader(policy=config.policy, complete=True, workers=workers, extra=extra,
+                         version="1.1", features=features, kv=kv)
 
 
 class Handoff:

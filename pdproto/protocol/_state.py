@@ -72,6 +72,11 @@ class MsgKind(_Named):
         return self.name.lower()
 
 
+#: ``Req.pfx``: the generation holds no cached prefix; it took a reference on
+#: the prefix P had cached (its source starts with those blocks); it computed
+#: the prefix and published it (its source starts with the cached blocks).
+NO_PREFIX, SHARED_PREFIX, OWN_PREFIX = 0, 1, 2
+
 NEW, COMMITTED, PREFILLED, PREFILLING, QUEUED, RESERVED, WAITING, TRANSFERRING = Phase
 LIVE, CANCELLED, FINISHED, FAILED = End
 NOTIFY, READY, RELEASE = MsgKind
@@ -89,8 +94,9 @@ class Req(NamedTuple):
     pinc: int = 0  # P's incarnation when it took them
     dst: tuple = ()  # target blocks held on D
     dinc: int = 0  # D's incarnation when it took them
-    xs: XferState = XferState.NONE  # the generation's transfer
+    xs: XferState = XferState.NONE  # the generation's transfer (every chunk of it)
     ndec: int = 0  # decode steps done
+    pfx: int = 0  # prefix cache: NO_PREFIX, SHARED_PREFIX (src starts with it) or OWN_PREFIX (published it)
 
 
 class Xfer(NamedTuple):
@@ -105,6 +111,7 @@ class Xfer(NamedTuple):
     aborted: bool = False
     doomed: bool = False  # an endpoint restarted: it can only fail now
     dst_lost: bool = False  # the target restarted: its blocks are quarantined
+    chunk: int = 0  # which chunk of the handoff (config.chunks of them, one after the other)
 
 
 class Msg(NamedTuple):
@@ -148,6 +155,7 @@ with_src = _setter(Req, "src")
 with_dst = _setter(Req, "dst")
 with_xs = _setter(Req, "xs")
 with_ndec = _setter(Req, "ndec")
+with_pfx = _setter(Req, "pfx")
 with_reqs = _setter(HState, "reqs")
 with_xfers = _setter(HState, "xfers")
 with_msgs = _setter(HState, "msgs")

@@ -129,17 +129,18 @@ class HandoffSymmetry:
             # one worker per role: a request's own record (block ids aside)
             # usually tells the requests apart; the full signature is needed
             # only on a tie
-            cores = [(q.gen, q.ph, q.end, len(q.src), q.pinc, len(q.dst), q.dinc, q.xs, q.ndec) for q in reqs[:n]]
+            cores = [(q.gen, q.ph, q.end, len(q.src), q.pinc, len(q.dst), q.dinc, q.xs, q.ndec, q.pfx)
+                     for q in reqs[:n]]
             if len(set(cores)) == n:
                 return sorted(range(n), key=cores.__getitem__)
         sigs = []
         for r in range(n):
             q = reqs[r]
             sigs.append((
-                (q.gen, q.ph, q.end, wp[q.p], wp[q.d], len(q.src), q.pinc, len(q.dst), q.dinc, q.xs, q.ndec),
+                (q.gen, q.ph, q.end, wp[q.p], wp[q.d], len(q.src), q.pinc, len(q.dst), q.dinc, q.xs, q.ndec, q.pfx),
                 tuple((i, m.kind, m.gen, wp[m.frm], m.inc, wp[m.to]) for i, m in enumerate(msgs) if m.r == r),
                 tuple(
-                    (i, x.gen, wp[x.p], len(x.src), wp[x.d], len(x.dst), x.aborted, x.doomed, x.dst_lost)
+                    (i, x.gen, wp[x.p], len(x.src), wp[x.d], len(x.dst), x.aborted, x.doomed, x.dst_lost, x.chunk)
                     for i, x in enumerate(xfers)
                     if x.r == r
                 ),
@@ -215,11 +216,11 @@ class HandoffSymmetry:
         """The renamed requests and transfers."""
         if bperm is None:
             creqs = tuple(
-                new(Req, (q.gen, q.ph, q.end, wp[q.p], wp[q.d], q.src, q.pinc, q.dst, q.dinc, q.xs, q.ndec))
+                new(Req, (q.gen, q.ph, q.end, wp[q.p], wp[q.d], q.src, q.pinc, q.dst, q.dinc, q.xs, q.ndec, q.pfx))
                 for q in (reqs[r] for r in order)
             ) + reqs[n:]
             cx = tuple(
-                new(Xfer, (rp[x.r], x.gen, wp[x.p], x.src, wp[x.d], x.dst, x.aborted, x.doomed, x.dst_lost))
+                new(Xfer, (rp[x.r], x.gen, wp[x.p], x.src, wp[x.d], x.dst, x.aborted, x.doomed, x.dst_lost, x.chunk))
                 for x in xfers
             )
             return creqs, cx
@@ -227,14 +228,14 @@ class HandoffSymmetry:
         creqs = tuple(
             new(Req, (
                 q.gen, q.ph, q.end, wp[q.p], wp[q.d], tuple(bperm[q.p * nb + b] for b in q.src), q.pinc,
-                tuple(bperm[q.d * nb + b] for b in q.dst), q.dinc, q.xs, q.ndec,
+                tuple(bperm[q.d * nb + b] for b in q.dst), q.dinc, q.xs, q.ndec, q.pfx,
             ))
             for q in (reqs[r] for r in order)
         ) + reqs[n:]
         cx = tuple(
             new(Xfer, (
                 rp[x.r], x.gen, wp[x.p], tuple(bperm[x.p * nb + b] for b in x.src), wp[x.d],
-                tuple(bperm[x.d * nb + b] for b in x.dst), x.aborted, x.doomed, x.dst_lost,
+                tuple(bperm[x.d * nb + b] for b in x.dst), x.aborted, x.doomed, x.dst_lost, x.chunk,
             ))
             for x in xfers
         )
@@ -254,7 +255,8 @@ class HandoffSymmetry:
                 names[m.rname[r]] = m.rname[j]
                 for g in range(m.budget0[_RETRY] + 1):
                     names[m.ticket(r, g)] = m.ticket(j, g)
-                    names[m.transfer_id(r, g)] = m.transfer_id(j, g)
+                    for c in range(m.chunks):
+                        names[m.tid(r, g, c)] = m.tid(j, g, c)
         for w, v in enumerate(wp):
             if w != v:
                 names[m.wname[w]] = m.wname[v]
