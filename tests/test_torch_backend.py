@@ -578,10 +578,15 @@ def test_sizes_are_checked_before_anything_is_allocated():
     from pdproto._errors import LimitError
     from pdproto.backends._torch import DEFAULT_MAX_MEMORY, TorchBackend
 
+    # a declared pool is not allocated up front: it is the blocks the history touches
     header = HistoryHeader(workers={"P0": WorkerSpec("prefill", 10**400)})
+    b = TorchBackend(header)
+    assert b.memory < 1 << 20
+    b.apply(PrefillStart("r", 0, "P0", (3,)), 2)
+    assert b._workers["P0"].nblocks == 8  # the smallest pool, not 10**400
     with pytest.raises(LimitError) as info:
-        TorchBackend(header)
-    assert info.value.limit == DEFAULT_MAX_MEMORY and "P0" in str(info.value)
+        b.apply(PrefillStart("r", 0, "P0", (10**400,)), 3)
+    assert info.value.limit == DEFAULT_MAX_MEMORY and "P0" in str(info.value) and info.value.line == 3
     with pytest.raises(LimitError):
         TorchBackend(tp="400000000:1")
     TorchBackend(layers=64, max_memory=None)  # no limit

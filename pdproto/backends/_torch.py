@@ -1,60 +1,70 @@
 """Replay a history on real paged KV buffers with torch (CPU or CUDA).
 
-The only module of pdproto that imports torch.  See docs/replay.md.
+The only module of pdproto that imports torch (with :mod:`._quant`, which it
+loads for fp8).  See docs/replay.md.
 
-:class:`TorchBackend` executes the events of a history (format v1) on one
-paged KV pool per worker and verifies every byte a decode reads.  It is
-sans-IO, like the monitor: ``apply(event, line) -> list[Violation]`` per
-event, ``finish() -> list[Violation]`` at the end.  Data-level problems are
-reported as :class:`KVCorruption` (a :class:`~pdproto.Violation` whose
+:class:`TorchBackend` executes the events of a history (format v1 and 1.1) on
+paged KV pools, one tensor per (pipeline stage, tensor-parallel rank) of each
+worker, and verifies every byte a commit makes readable and a decode reads.
+It is sans-IO, like the monitor: ``apply(event, line) -> list[Violation]``
+per event, ``finish() -> list[Violation]`` at the end.  Data-level problems
+are reported as :class:`KVCorruption` (a :class:`~pdproto.Violation` whose
 invariant is ``"kv-corruption"``).
 
-Layout.  A worker of tensor-parallel size ``tp`` holds ``tp`` tensors, one per
-rank, each shaped ``[blocks, layers, 2 (K/V), local KV heads, block_size,
-head_dim]``.  The prompt token at position ``p`` of a generation lives in
-its block list at index ``p // block_size``, slot ``p % block_size``.
+Layout.  A worker holds one tensor per *part* (stage ``s`` of ``pp``, rank
+``r`` of ``tp``), shaped ``[blocks, stage layers, K/V (2, or 1 for MLA),
+local KV heads (1 for MLA), block_size, head_dim]``.  The prompt token at
+position ``p`` of a generation lives in its block table at index
+``p // block_size``, slot ``p % block_size``; a generation's table on a worker
+is its shared blocks (``share``) followed by the blocks it allocated there.
+
+Expected content.  Each position's KV is a function of (origin tag, layer,
+K/V, position, head, dim, token code): the origin of a prompt position is the
+generation whose prefill computed it (itself, or, through a ``share``, the
+generation the shared block's KV came from, snapshotted at the share).
 
 Timing (adversarial, deterministic):
 
-- prefill writes positions ``0 .. processed_len-1`` at ``prefill_done`` into
-  the blocks its ``prefill_start`` named;
+- prefill writes the positions it processed at ``prefill_done``;
 - a transfer reads its source at ``transfer_read_done`` (or at
-  ``transfer_write_done`` when that comes first: nothing can be written that
-  was not read) and its writes land at ``transfer_write_done``.  When the
-  read was done after ``write_done`` in the history and the source changed in
-  between, the late read lands again (the writes depended on it);
-- ``transfer_failed`` before the writes landed poisons the target (a partial
-  write); ``free`` poisons its blocks; ``restart`` poisons the whole pool;
+  ``transfer_write_done`` when that comes first) and its writes land at
+  ``transfer_write_done``: only the layers and token positions (slots) of its
+  range move.  A read done after ``write_done`` lands again if the source
+  changed in between;
+- ``transfer_failed`` before the writes landed poisons the target slots;
+  ``free`` of a block's last reference poisons it; ``restart`` poisons the
+  whole pool;
 - ``finish()`` lets every transfer still in flight read and write at the end
-  of the history (the latest it can), after writing a *probe* into target
-  blocks freed or re-allocated under it, and then verifies.
+  of the history, after writing a *probe* into target blocks freed or
+  re-allocated under it, and then verifies.
+
+Verification is linear in the KV written: every block carries a version (the
+clock of its last modification, and the slots that modification touched); a
+generation remembers, per table index, the version and slots it verified, and
+re-checks only the slots modified since.
 
 A copy between ``read_done`` and ``write_done`` is lazy: if the source is not
-modified in between, the write copies directly from the source (one copy);
-the first modification of a source block first materialises a staging copy
-(copy-on-write).  So the bytes delivered are always those of the source at
-``read_done``.
+modified in between, the write copies directly from the source; the first
+modification of a source block first copies the source into a staging buffer
+(copy-on-write), taken from a free list that is reused across handoffs.
 
-On CUDA the copies run on a side stream, ordered after the work already
-issued on the current stream (``wait_stream``); each records a
-``torch.cuda.Event`` and any later work on the current stream that touches
-the same worker (free's poison, prefill, decode, verification) first waits
-for those events (``wait_event``).
+On CUDA the copies run on a side stream, ordered after the work already issued
+on the current stream (``wait_stream``); each records a ``torch.cuda.Event`` and
+later work on the current stream touching the same worker first waits for it.
 
-Memory.  The pools a replay needs are computed before they are allocated:
-the pools the header declares (and the smallest pool of a worker of each
-role) when the backend is made, and each pool's growth when an event names a
-block past its end.  Over ``max_memory`` bytes (:data:`DEFAULT_MAX_MEMORY`
-unless raised; ``pdproto replay --max-memory``) the backend raises
-:class:`~pdproto._errors.LimitError` instead.  Positions a decode or prefill
-names beyond its block table are reported, never allocated.  Nothing in the copy path synchronises
-the device.  The CPU path executes the same operations at the same points,
-synchronously.
+Memory.  Pools are allocated lazily, to the blocks the history touches (a
+declared pool size caps the doubling, it is not allocated up front).  Before
+anything grows, the bytes are computed; over ``max_memory``
+(:data:`DEFAULT_MAX_MEMORY` unless raised; ``pdproto replay --max-memory``) the
+backend raises :class:`~pdproto._errors.LimitError` instead.  Positions a
+decode or prefill names beyond its block table are reported, never allocated.
 """
 
 from __future__ import annotations
 
 import copy as _copy
+import importlib
+import math
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
@@ -74,6 +84,7 @@ from ..spec._events import (
     PrefillStart,
     Reserve,
     Restart,
+    Share,
     Submit,
     TransferAbort,
     TransferFailed,
@@ -113,18 +124,27 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
+FP8 = ("float8_e4m3fn", "float8_e5m2")
+SCALES = ("per-tensor", "per-block", "per-head")
+LAYOUTS = ("mha", "mla")
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16",
-                  "float": "float32", "fp64": "float64", "double": "float64"}
+                  "float": "float32", "fp64": "float64", "double": "float64",
+                  "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+                  "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2"}
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**31: products of a 32-bit value stay inside int64
-_CODE = 125  # codes in the first four dims are 1 .. 125: exact in bf16
-_HASH_MOD = 251  # hashed dims are (x % 251 - 125) / 64: exact in bf16 (8 bits)
 _NO_TOKEN = _M32  # token code of a position no write is expected to have made
 _PROMPT = 0  # token code of prompt positions
 _CODE_DIMS = 4  # tag lo, tag hi, position, head
 _PROBE = ("<probe>", 0)
+#: the value encoding of each dtype family: code radix R (codes 1..R in dims
+#: 0-3), hashed half-range A and divisor S (hashed dims (k - A) / S, k in
+#: 0..2A).  Every value is exact in the dtype (fp8: with a power-of-two scale).
+_ENCODING = {"wide": (125, 127, 64), "float8_e4m3fn": (15, 15, 8), "float8_e5m2": (7, 7, 4)}
 
 
 def _mix_py(*parts: int) -> int:
@@ -170,7 +190,7 @@ def rank_heads(tp: int, kv_heads: int) -> list[list[int]]:
     ``tp <= kv_heads``: rank ``r`` holds ``[r*H/tp, (r+1)*H/tp)``; ``tp >
     kv_heads``: heads are replicated, rank ``r`` holds head ``r // (tp/H)``.
     """
-    if tp < 1:
+    if type(tp) is not int or tp < 1:
         raise UsageError("tensor-parallel size", tp, "an integer >= 1")
     if tp <= kv_heads:
         if kv_heads % tp:
@@ -185,13 +205,18 @@ def rank_heads(tp: int, kv_heads: int) -> list[list[int]]:
 
 @attrs.frozen
 class KVLayout:
-    """The shape of every worker's paged KV pool."""
+    """The shape of every worker's paged KV pool.  ``layout`` ``"mla"``: one
+    latent vector of ``head_dim`` per token and layer (no heads, no separate
+    K and V).  ``scale`` (fp8 dtypes only): ``"per-tensor"``, ``"per-block"``
+    or ``"per-head"``."""
 
     layers: int = 2
     kv_heads: int = 4
     head_dim: int = 8
     block_size: int = 4
     dtype: str = "bfloat16"
+    layout: str = "mha"
+    scale: str | None = None
 
     def __attrs_post_init__(self) -> None:
         for name in ("layers", "kv_heads", "block_size"):
@@ -200,26 +225,54 @@ class KVLayout:
                 raise UsageError(name, v, "an integer >= 1")
         if type(self.head_dim) is not int or self.head_dim < _CODE_DIMS + 1:
             raise UsageError("head_dim", self.head_dim, f"an integer >= {_CODE_DIMS + 1}")
-        if self.kv_heads > _CODE:
-            raise UsageError("kv_heads", self.kv_heads, f"at most {_CODE}")
         if canonical_dtype(self.dtype) != self.dtype:
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.layout not in LAYOUTS:
+            raise UsageError("layout", self.layout, "one of " + ", ".join(LAYOUTS))
+        if self.layout == "mla" and self.kv_heads != 1:
+            object.__setattr__(self, "kv_heads", 1)
+        radix = self.encoding[0]
+        if self.kv_heads > radix:
+            raise UsageError("kv_heads", self.kv_heads, f"at most {radix} with {self.dtype}")
+        if self.dtype in FP8:
+            if self.scale is None:
+                object.__setattr__(self, "scale", "per-tensor")
+            if self.scale not in SCALES:
+                raise UsageError("scale", self.scale, "one of " + ", ".join(SCALES))
+        elif self.scale is not None:
+            raise UsageError("scale", self.scale, "no scale: only an fp8 dtype has scales")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype]
 
     @property
+    def kv(self) -> int:
+        """K and V (2), or the one latent of MLA (1)."""
+        return 1 if self.layout == "mla" else 2
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype in FP8
+
+    @property
+    def encoding(self) -> tuple[int, int, int]:
+        return _ENCODING.get(self.dtype, _ENCODING["wide"])
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block over all heads (all ranks of a tp=1 worker)."""
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.layers * 2 * self.kv_heads * self.block_size * self.head_dim * elem
+        return self.layers * self.kv * self.kv_heads * self.block_size * self.head_dim * self.elem_bytes
 
 
 def canonical_dtype(name: str) -> str:
     name = _DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
     if name not in TORCH_DTYPES:
-        raise UsageError("dtype", name, "one of " + ", ".join(TORCH_DTYPES) + " (or bf16, fp16, fp32)")
+        raise UsageError("dtype", name, "one of " + ", ".join(TORCH_DTYPES) + " (or bf16, fp16, fp32, fp8)")
     return name
 
 
@@ -233,10 +286,10 @@ class KVCorruption(Violation):
     """A data-level violation: the bytes a decode (or commit) reads are wrong.
 
     Besides the fields of :class:`~pdproto.Violation`: ``layer``,
-    ``position``, ``head`` (global KV head) and ``rank`` of the first wrong
-    element, and ``found``: what is there instead (``"poison"``, ``{"request",
-    "gen", "position", "head"}`` decoded from the element, or None when it
-    cannot tell).
+    ``position``, ``head`` (global KV head) and ``rank`` (the part: stage *
+    tp + tensor-parallel rank) of the first wrong element, and ``found``:
+    what is there instead (``"poison"``, ``{"request", "gen", "position_mod",
+    "head"}`` decoded from the element, or None when it cannot tell).
     """
 
     layer: int | None = attrs.field(default=None, kw_only=True)
@@ -261,35 +314,52 @@ class KVCorruption(Violation):
 
 
 class _Worker:
-    __slots__ = ("name", "role", "tp", "heads", "pools", "nblocks", "stamp", "restart_stamp",
-                 "restart_line", "last_write")
+    """One worker's pools: ``parts[i] = (first layer, end layer, global heads)``
+    and ``pools[i]`` its tensor (``scales[i]`` its fp8 scales)."""
 
-    def __init__(self, name: str, role: str, tp: int, heads: list[list[int]]) -> None:
+    __slots__ = ("name", "role", "tp", "pp", "heads", "parts", "pools", "scales", "nblocks", "cap",
+                 "stamp", "mod", "restart_stamp", "restart_line", "last_write", "origin", "stash",
+                 "static_scale")
+
+    def __init__(self, name: str, role: str, tp: int, pp: int, parts: list[tuple[int, int, tuple[int, ...]]],
+                 heads: list[list[int]], cap: int | None) -> None:
         self.name = name
         self.role = role
         self.tp = tp
-        self.heads = heads
+        self.pp = pp
+        self.heads = heads  # per tensor-parallel rank
+        self.parts = parts
         self.pools: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor] = []
         self.nblocks = 0
+        self.cap = cap  # the declared pool size (caps the doubling), or None
         self.stamp: dict[int, int] = {}  # block -> clock of its last modification
+        self.mod: dict[int, tuple[int, int, int]] = {}  # block -> (previous stamp, first slot, end slot)
         self.restart_stamp = 0
         self.restart_line: int | None = None
         self.last_write: dict[int, int] = {}  # block -> line of its last write or poison
+        self.origin: dict[int, list[int | None]] = {}  # block -> origin tag of each slot's prompt KV
+        self.stash: dict[int, tuple] = {}  # freed block -> (stamp, rows, scale rows, origin)
+        self.static_scale = 1.0
 
     def copy(self) -> "_Worker":
         n = object.__new__(_Worker)
-        n.name, n.role, n.tp, n.heads = self.name, self.role, self.tp, self.heads
+        for name in _Worker.__slots__:
+            setattr(n, name, getattr(self, name))
         n.pools = [p.clone() for p in self.pools]
-        n.nblocks = self.nblocks
+        n.scales = [s.clone() for s in self.scales]
         n.stamp = dict(self.stamp)
-        n.restart_stamp, n.restart_line = self.restart_stamp, self.restart_line
+        n.mod = dict(self.mod)
         n.last_write = dict(self.last_write)
+        n.origin = {b: list(o) for b, o in self.origin.items()}
+        n.stash = dict(self.stash)
         return n
 
 
 class _Gen:
     __slots__ = ("key", "tag", "prompt_len", "processed_len", "first_token", "prefill",
-                 "prefill_line", "exp_tok", "terminal", "committed", "last_decode", "transfers")
+                 "prefill_line", "exp_tok", "terminal", "committed", "last_decode", "transfers",
+                 "shared", "orig", "checked")
 
     def __init__(self, key: tuple[str, int], tag: int) -> None:
         self.key = key
@@ -304,6 +374,9 @@ class _Gen:
         self.committed: tuple[str, tuple[int, ...], int] | None = None  # worker, table, line
         self.last_decode: tuple[str, tuple[int, ...], int, int] | None = None  # worker, table, pos, line
         self.transfers: list[str] = []
+        self.shared: dict[str, tuple[tuple[int, ...], int]] = {}  # worker -> (shared blocks, tokens)
+        self.orig: dict[str, dict[int, int]] = {}  # worker -> position -> origin tag (if not own)
+        self.checked: dict[tuple[str, int], tuple[int, int, int]] = {}  # (worker, index) -> (block, stamp, slots)
 
     def copy(self) -> "_Gen":
         n = object.__new__(_Gen)
@@ -312,13 +385,21 @@ class _Gen:
         n.prefill = dict(self.prefill)
         n.exp_tok = dict(self.exp_tok)
         n.transfers = list(self.transfers)
+        n.shared = dict(self.shared)
+        n.orig = {w: dict(o) for w, o in self.orig.items()}
+        n.checked = dict(self.checked)
         return n
+
+    def invalidate(self, worker: str | None, index: int) -> None:
+        """Expectations at table ``index`` changed: forget what was verified there."""
+        for k in [k for k in self.checked if k[1] == index and (worker is None or k[0] == worker)]:
+            del self.checked[k]
 
 
 class _Xfer:
     __slots__ = ("tid", "key", "ticket", "src", "src_blocks", "dst", "dst_blocks", "line",
                  "read", "read_line", "staged", "wrote", "write_stamp", "failed", "lost",
-                 "early_freed", "drained")
+                 "early_freed", "drained", "layers", "tokens", "moves")
 
     def __init__(self, ev: TransferStart, line: int) -> None:
         self.tid = ev.transfer
@@ -328,10 +409,14 @@ class _Xfer:
         self.src_blocks = ev.src_blocks
         self.dst = ev.dst
         self.dst_blocks = ev.dst_blocks
+        self.layers: tuple[int, int] | None = getattr(ev, "layers", None)
+        self.tokens: tuple[int, int] | None = getattr(ev, "tokens", None)
+        # per moved block: (i, src block, dst block, first position, first slot, end slot)
+        self.moves: list[tuple[int, int, int, int, int, int]] = []
         self.line = line
         self.read = False  # the read happened (lazily: see staged)
         self.read_line: int | None = None
-        self.staged: list[torch.Tensor] | None = None  # per source rank, once materialised
+        self.staged: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # rows, scale rows
         self.wrote = False
         self.write_stamp = 0  # clock when the writes landed (to spot later source changes)
         self.failed = False
@@ -343,23 +428,36 @@ class _Xfer:
         n = object.__new__(_Xfer)
         for name in _Xfer.__slots__:
             setattr(n, name, getattr(self, name))
-        if self.staged is not None:
-            n.staged = list(self.staged)  # snapshots are never written in place
+        if self.staged is not None:  # staging buffers are reused: the twin gets its own
+            n.staged = ([t.clone() for t in self.staged[0]], [t.clone() for t in self.staged[1]])
         n.early_freed = set(self.early_freed)
         return n
+
+
+def _opt(value: Any, name: str, low: int = 1) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int or value < low:
+        raise UsageError(name, value, f"an integer >= {low}")
+    return value
 
 
 class TorchBackend:
     """Execute a history on real paged KV pools and verify what decode reads.
 
-    ``TorchBackend(header, device="cpu", dtype="bfloat16", tp=(1, 1), layers=2,
-    kv_heads=4, head_dim=8, block_size=4)``; ``apply(event, line)`` returns
-    the :class:`KVCorruption` violations the event made visible;
-    ``finish()`` lets in-flight transfers land and verifies what is left.
-    ``violations`` accumulates them.  ``head_map`` (a sequence: destination
-    global head -> source global head) deliberately mis-routes heads, for
-    tests.  The block size comes from ``block_size`` or, when None, from the
-    header's ``block_size`` key, else 4.
+    ``TorchBackend(header, device="cpu", dtype=None, tp=None, layers=None,
+    kv_heads=None, head_dim=None, block_size=None)``: every shape option left
+    None comes from the header (format 1.1 ``kv``; the tensor-parallel and
+    pipeline sizes from each worker's ``tp`` / ``pp``), else from the
+    defaults (bfloat16, tp 1:1, 2 layers, 4 KV heads, head dim 8, block size
+    4).  An option given explicitly overrides the header.  ``apply(event,
+    line)`` returns the :class:`KVCorruption` violations the event made
+    visible; ``finish()`` lets in-flight transfers land and verifies what is
+    left.  ``violations`` accumulates them.  ``head_map`` (destination global
+    head -> source global head) deliberately mis-routes heads, and
+    ``drop_scales`` makes transfers leave fp8 per-block scales behind, and
+    ``static_scales`` ({worker: scale}) gives a worker another per-tensor /
+    per-head scale: for tests.
     """
 
     def __init__(
@@ -367,45 +465,75 @@ class TorchBackend:
         header: HistoryHeader | None = None,
         *,
         device: str | torch.device = "cpu",
-        dtype: str = "bfloat16",
-        tp: tuple[int, int] | str = (1, 1),
-        layers: int = 2,
-        kv_heads: int = 4,
-        head_dim: int = 8,
+        dtype: str | None = None,
+        tp: tuple[int, int] | str | None = None,
+        layers: int | None = None,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
         block_size: int | None = None,
+        layout: str | None = None,
+        scale: str | None = None,
         head_map: Sequence[int] | None = None,
+        drop_scales: bool = False,
+        static_scales: Mapping[str, float] | None = None,
         min_blocks: int = 8,
         max_memory: int | None = DEFAULT_MAX_MEMORY,
     ) -> None:
         header = header if header is not None else HistoryHeader()
+        kv = getattr(header, "kv", None)
+        if getattr(header, "version", 1) == 1:
+            kv = None  # a version 1 header's kv key is ignored
         if block_size is None:
-            hb = header.extra.get("block_size") if header.extra else None
-            block_size = hb if type(hb) is int and hb >= 1 else 4
-        self.layout = KVLayout(layers, kv_heads, head_dim, block_size, canonical_dtype(dtype))
+            block_size = header.block_size  # kv.block_size, else a version 1 block_size key
+
+        def pick(flag: Any, key: str, default: Any) -> Any:
+            if flag is not None:
+                return flag
+            value = getattr(kv, key, None) if kv is not None else None
+            return default if value is None else value
+
+        lay = pick(layout, "layout", "mha")
+        dt = pick(dtype, "dtype", "bfloat16")
+        sc = scale if scale is not None else (
+            kv.scale if kv is not None and canonical_dtype(dt) in FP8 else None)
+        self.layout = KVLayout(
+            _opt(pick(layers, "layers", 2), "layers"),
+            1 if lay == "mla" else _opt(pick(kv_heads, "kv_heads", 4), "kv_heads"),
+            pick(head_dim, "head_dim", 8), _opt(block_size if block_size is not None else 4, "block_size"),
+            canonical_dtype(dt), lay, sc,
+        )
         self.header = header
         self.tp = parse_tp(tp)
+        self._tp_flag = tp is not None
         if max_memory is not None and (type(max_memory) is not int or max_memory < 1):
             raise UsageError("max_memory", max_memory, "a number of bytes >= 1, or None for no limit")
         self.max_memory = max_memory
         self.min_blocks = min_blocks
-        self.memory = self._fixed_bytes()  # bytes allocated: the pools and the value table
+        self._par: dict[str, tuple[int, int]] = {}  # worker -> (tp, pp)
+        self.memory = self._fixed_bytes()  # bytes allocated: the pools, the value table, staging
         self._check_sizes(header)
         self.device = _device(device)
         self.cuda = self.device.type == "cuda"
-        self._heads = {"prefill": rank_heads(self.tp[0], kv_heads), "decode": rank_heads(self.tp[1], kv_heads)}
+        L = self.layout
         if head_map is not None:
             head_map = list(head_map)
-            if len(head_map) != kv_heads or any(type(h) is not int or not 0 <= h < kv_heads for h in head_map):
-                raise UsageError("head_map", head_map, f"{kv_heads} head indices in [0, {kv_heads})")
+            if len(head_map) != L.kv_heads or any(type(h) is not int or not 0 <= h < L.kv_heads for h in head_map):
+                raise UsageError("head_map", head_map, f"{L.kv_heads} head indices in [0, {L.kv_heads})")
         self.head_map = head_map
+        self.drop_scales = drop_scales
+        self.static_scales = dict(static_scales or {})
+        self._quant = importlib.import_module("pdproto.backends._quant") if L.fp8 else None
+        self._shares = "share" in (getattr(header, "features", None) or ())
         self.violations: list[Violation] = []
         self.events = 0
         self.line = 0
         self.bytes_copied = 0
+        self.bytes_verified = 0
         self._out: list[Violation] = []
         self._clock = 0
         self._workers: dict[str, _Worker] = {}
-        self._owner: dict[tuple[str, int], tuple[str, int]] = {}
+        self._owner: dict[tuple[str, int], list[tuple[str, int]]] = {}  # block -> owners (references)
+        self._alloc: dict[tuple[str, int], dict[str, list[int]]] = {}  # gen -> worker -> allocated blocks
         self._gens: dict[tuple[str, int], _Gen] = {}
         self._tags: list[tuple[str, int]] = []
         self._tickets: dict[str, tuple[tuple[str, int], str, tuple[int, ...]]] = {}
@@ -413,11 +541,15 @@ class TorchBackend:
         self._lazy: dict[tuple[str, int], set[str]] = {}  # source block -> transfers read lazily
         self._writers: dict[tuple[str, int], set[str]] = {}  # target block -> transfers not landed
         self._final: dict[tuple[str, int], tuple[str, int]] = {}  # decode block -> gen to check
-        self._segments: dict[tuple[str, str], list[list[tuple[int, int, int, int]]]] = {}
+        self._segments: dict[tuple, list] = {}
         self._pending_events: dict[str, list[Any]] = {}
         self._reported: set[tuple] = set()
+        self._staging: dict[tuple, list[torch.Tensor]] = {}  # free staging buffers by row shape
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self._q = self._make_q()
+        self._qf = self._make_q()
+        radix, half, div = L.encoding
+        self._radix, self._half, self._div = radix, half, float(div)
+        self._mults = [(_mix_py(d, 0x77) | 1) for d in range(L.head_dim - _CODE_DIMS)]
         self._probe_tag = self._tag_of(_PROBE)
 
     # -- public --------------------------------------------------------------
@@ -452,7 +584,7 @@ class TorchBackend:
             elif g.committed is not None:
                 worker, table, cline = g.committed
                 if self._owned(g.key, worker, table):
-                    self._verify(g, worker, table, g.prompt_len or 0, line,
+                    self._verify(g, worker, table, self._prompt(g), line,
                                  "end of the history: committed KV", [cline, g.prefill_line])
             else:
                 for tid in reversed(g.transfers):
@@ -465,8 +597,8 @@ class TorchBackend:
             if t.failed or t.wrote:
                 continue
             for b in set(t.dst_blocks):
-                owner = self._owner.get((t.dst, b))
-                if b in t.early_freed or (owner is not None and owner != t.key):
+                owners = self._owner.get((t.dst, b))
+                if b in t.early_freed or (owners and t.key not in owners):
                     probes.append((t.dst, b, t))
         for worker, b, _t in probes:
             self._write_probe(worker, b, line)
@@ -513,7 +645,8 @@ class TorchBackend:
         d["violations"] = list(self.violations)
         d["_out"] = []
         d["_workers"] = {k: w.copy() for k, w in self._workers.items()}
-        d["_owner"] = dict(self._owner)
+        d["_owner"] = {k: list(v) for k, v in self._owner.items()}
+        d["_alloc"] = {k: {w: list(b) for w, b in v.items()} for k, v in self._alloc.items()}
         d["_gens"] = {k: g.copy() for k, g in self._gens.items()}
         d["_tags"] = list(self._tags)
         d["_tickets"] = dict(self._tickets)
@@ -524,6 +657,7 @@ class TorchBackend:
         d["_segments"] = dict(self._segments)
         d["_pending_events"] = {k: [] for k in self._pending_events}
         d["_reported"] = set(self._reported)
+        d["_staging"] = {}
         if self.cuda:
             d["_stream"] = torch.cuda.Stream(device=self.device)
         new.__dict__ = d
@@ -536,39 +670,65 @@ class TorchBackend:
         return _copy.deepcopy(self)
 
     def pool(self, worker: str, rank: int = 0) -> torch.Tensor:
-        """The KV pool tensor of ``worker``'s rank ``rank`` (for tests and tools)."""
+        """The KV pool tensor of ``worker``'s part ``rank`` (stage * tp + tensor-parallel rank)."""
         return self._workers[worker].pools[rank]
 
     def expected(self, request: str, gen: int, position: int, token: int | None = None) -> torch.Tensor:
-        """The KV of one position of a generation, ``[layers, 2, kv_heads, head_dim]``:
-        the prompt KV, or with ``token`` the KV a decode fed ``token`` writes."""
+        """The KV of one position of a generation, ``[layers, K/V, kv_heads, head_dim]``
+        in the pool dtype (fp8: before quantization, float32): the prompt KV,
+        or with ``token`` the KV a decode fed ``token`` writes."""
         g = self._gens[(request, gen)]
         code = _PROMPT if token is None else (token + 1) & _M32
-        return self._values(g.tag, position, [code], list(range(self.layout.kv_heads)))[:, :, :, 0]
+        L = self.layout
+        v = self._values([g.tag], position, [code], (0, L.layers, tuple(range(L.kv_heads))))[:, :, :, 0]
+        return v if L.fp8 else v.to(L.torch_dtype)
 
     # -- memory --------------------------------------------------------------
 
-    def block_bytes(self, role: str) -> int:
-        """Bytes of one block over every rank of a worker of ``role``."""
-        L = self.layout
+    def _parallel(self, name: str, role: str) -> tuple[int, int]:
+        """(tp, pp) of a worker: the flag when given, else the header's, else 1."""
+        par = self._par.get(name)
+        if par is not None:
+            return par
+        spec = self.header.workers.get(name) if self.header.workers else None
         tp = self.tp[0] if role == "prefill" else self.tp[1]
-        elem = torch.empty((), dtype=L.torch_dtype).element_size()
-        return tp * _heads_per_rank(tp, L.kv_heads) * L.layers * 2 * L.block_size * L.head_dim * elem
+        if not self._tp_flag and spec is not None and getattr(spec, "tp", None) is not None:
+            tp = spec.tp
+        pp = getattr(spec, "pp", None) if spec is not None else None
+        pp = pp or 1
+        if pp > self.layout.layers or self.layout.layers % pp:
+            raise UsageError(f"pp of worker {name!r}", pp, f"a divisor of the {self.layout.layers} layers")
+        self._par[name] = (tp, pp)
+        return tp, pp
+
+    def _part_bytes(self, tp: int, pp: int) -> int:
+        """Bytes of one block over every part of a worker with ``tp`` ranks and ``pp`` stages."""
+        L = self.layout
+        heads = 1 if L.layout == "mla" else _heads_per_rank(tp, L.kv_heads)
+        scale = 4 * L.kv * L.layers * tp if L.fp8 and L.scale == "per-block" else 0
+        return tp * heads * L.layers * L.kv * L.block_size * L.head_dim * L.elem_bytes + scale
+
+    def block_bytes(self, role: str) -> int:
+        """Bytes of one block over every rank of a worker of ``role`` (at the flag's tp)."""
+        return self._part_bytes(self.tp[0] if role == "prefill" else self.tp[1], 1)
 
     def _fixed_bytes(self) -> int:
-        """Bytes the backend holds besides the pools (the hash table of values)."""
+        """Bytes the backend holds besides the pools (the table of values)."""
         L = self.layout
-        return L.layers * 2 * L.kv_heads * (L.head_dim - _CODE_DIMS) * 8
+        return L.layers * L.kv * L.kv_heads * L.head_dim * 4
 
     def _check_sizes(self, header: HistoryHeader) -> None:
-        """Before allocating anything: the pools the header declares, and at
-        least one pool of each role, must fit in ``max_memory``."""
+        """Before allocating anything: the smallest pool of each role (and of
+        each declared worker) must fit in ``max_memory``.  Declared pool sizes
+        are not allocated up front: pools grow to the blocks the history
+        touches."""
         if self.max_memory is None:
             return
         need = self._fixed_bytes()
         roles = set()
-        for spec in (header.workers or {}).values():
-            need += max(spec.blocks, self.min_blocks) * self.block_bytes(spec.role)
+        for name, spec in (header.workers or {}).items():
+            tp, pp = self._parallel(name, spec.role)
+            need += min(spec.blocks, self.min_blocks) * self._part_bytes(tp, pp)
             roles.add(spec.role)
         for role in ("prefill", "decode"):
             if role not in roles:
@@ -577,10 +737,7 @@ class TorchBackend:
             L = self.layout
             raise LimitError(
                 f"replay with {L.layers} layers x {L.kv_heads} KV heads x head dim {L.head_dim}, "
-                f"block size {L.block_size}, {L.dtype}, tp {self.tp[0]}:{self.tp[1]}, "
-                + ("the header's pools " + ", ".join(
-                    f"{n} {_amount(s.blocks)} blocks" for n, s in list((header.workers or {}).items())[:4])
-                   + (" ..." if len(header.workers or {}) > 4 else "") if header.workers else "a pool per role"),
+                f"block size {L.block_size}, {L.dtype}, tp {self.tp[0]}:{self.tp[1]}, a pool per worker",
                 need, self.max_memory, "--max-memory (max_memory=)",
             )
 
@@ -589,7 +746,7 @@ class TorchBackend:
         ``top``), within ``max_memory``; LimitError when even ``nblocks`` is over."""
         if self.max_memory is None:
             return top
-        per = self.block_bytes(w.role)
+        per = self._part_bytes(w.tp, w.pp)
         base = self.memory - w.nblocks * per
         if base + top * per <= self.max_memory:
             return top
@@ -610,43 +767,70 @@ class TorchBackend:
                 role = declared.role
             if role is None:
                 return None
-            heads = self._heads[role]
-            w = _Worker(name, role, len(heads), heads)
-            size = declared.blocks if declared is not None else 0
-            first = max(size, self.min_blocks)
-            self._grow(w, self._reserve(w, first, first))
+            tp, pp = self._parallel(name, role)
+            L = self.layout
+            heads = [[0]] * tp if L.layout == "mla" else rank_heads(tp, L.kv_heads)
+            per = L.layers // pp
+            parts = [(s * per, (s + 1) * per, tuple(hs)) for s in range(pp) for hs in heads]
+            w = _Worker(name, role, tp, pp, parts, heads, declared.blocks if declared is not None else None)
+            w.static_scale = float(self.static_scales.get(name, 1.0))
+            first = min(self.min_blocks, w.cap) if w.cap is not None else self.min_blocks
+            self._grow(w, self._reserve(w, max(first, 1), max(first, 1)))
             self._workers[name] = w
             self._pending_events[name] = []
         need = list(need)
         if need:
             top = max(need)
             if top >= w.nblocks:
-                self._grow(w, self._reserve(w, top + 1, max(2 * w.nblocks, top + 1)))
+                want = 2 * w.nblocks
+                if w.cap is not None and top < w.cap:
+                    want = min(want, w.cap)
+                self._grow(w, self._reserve(w, top + 1, max(want, top + 1)))
         return w
 
     def _grow(self, w: _Worker, nblocks: int) -> None:
         L = self.layout
         self._main_touch(w.name)
-        new = []
-        for r in range(w.tp):
-            t = torch.full(
-                (nblocks, L.layers, 2, len(w.heads[r]), L.block_size, L.head_dim),
-                float("nan"),
-                dtype=L.torch_dtype,
-                device=self.device,
-            )
+        new, scales = [], []
+        for i, (l0, l1, hs) in enumerate(w.parts):
+            shape = (nblocks, l1 - l0, L.kv, len(hs), L.block_size, L.head_dim)
+            if L.fp8:
+                t = torch.full(shape, 0x7F, dtype=torch.uint8, device=self.device).view(L.torch_dtype)
+            else:
+                t = torch.full(shape, float("nan"), dtype=L.torch_dtype, device=self.device)
             if w.pools:
-                t[: w.nblocks].copy_(w.pools[r])
+                _bytes(t)[: w.nblocks].copy_(_bytes(w.pools[i]))
             new.append(t)
+            if L.fp8:
+                if L.scale == "per-block":
+                    s = torch.full((nblocks, l1 - l0, L.kv, 1, 1, 1), float("nan"), device=self.device)
+                    if w.scales:
+                        s[: w.nblocks].copy_(w.scales[i])
+                elif w.scales:
+                    s = w.scales[i]
+                else:
+                    s = torch.full((1, l1 - l0, L.kv, len(hs) if L.scale == "per-head" else 1, 1, 1),
+                                   self._static_scale(w), device=self.device)
+                scales.append(s)
         w.pools = new
-        self.memory += (nblocks - w.nblocks) * self.block_bytes(w.role)
+        w.scales = scales
+        self.memory += (nblocks - w.nblocks) * self._part_bytes(w.tp, w.pp)
         w.nblocks = nblocks
 
-    def _touch(self, w: _Worker, blocks: Iterable[int], line: int) -> None:
+    def _touch(self, w: _Worker, blocks: Iterable[int], line: int, lo: int = 0, hi: int | None = None) -> None:
+        """``blocks`` of ``w`` were modified (slots ``lo..hi``): a new version."""
         self._clock += 1
+        c = self._clock
+        hi = self.layout.block_size if hi is None else hi
+        stamp, mod = w.stamp, w.mod
         for b in blocks:
-            w.stamp[b] = self._clock
+            mod[b] = (stamp.get(b, 0), lo, hi)
+            stamp[b] = c
             w.last_write[b] = line
+
+    def _version(self, w: _Worker, b: int) -> int:
+        s = w.stamp.get(b, 0)
+        return s if s >= w.restart_stamp else w.restart_stamp
 
     # -- CUDA stream discipline ---------------------------------------------
 
@@ -679,16 +863,22 @@ class TorchBackend:
     # -- values --------------------------------------------------------------
 
     def _make_q(self) -> torch.Tensor:
+        """The position-independent part of every value, float32 ``[L, K/V, H, 1, D]``:
+        dims 0-2 zero, dim 3 the head code, hashed dims ``(q - A) / S``."""
         L = self.layout
+        radix, half, div = L.encoding
         nh = L.head_dim - _CODE_DIMS
         dev = self.device
         l = torch.arange(L.layers, device=dev, dtype=torch.int64).view(-1, 1, 1, 1)
-        k = torch.arange(2, device=dev, dtype=torch.int64).view(1, 2, 1, 1)
+        k = torch.arange(L.kv, device=dev, dtype=torch.int64).view(1, -1, 1, 1)
         h = torch.arange(L.kv_heads, device=dev, dtype=torch.int64).view(1, 1, -1, 1)
         d = torch.arange(nh, device=dev, dtype=torch.int64).view(1, 1, 1, -1)
         x = _mix(l * 1_000_003 + k * 7_919 + h * 104_729 + d * 15_485_863 + 12_345)
         x = _mix(x ^ (d * 0x3C6EF372))
-        return x % _HASH_MOD  # [L, 2, H, nh]
+        q = torch.zeros((L.layers, L.kv, L.kv_heads, 1, L.head_dim), dtype=torch.float32, device=dev)
+        q[:, :, :, 0, _CODE_DIMS:] = ((x % (half + 1)) - half).to(torch.float32) / div
+        q[:, :, :, 0, 3] = (torch.arange(L.kv_heads, device=dev) % radix + 1).to(torch.float32).view(1, 1, -1)
+        return q
 
     def _tag_of(self, key: tuple[str, int]) -> int:
         g = self._gens.get(key)
@@ -706,38 +896,60 @@ class TorchBackend:
             g = self._gens[key]
         return g
 
-    def _values(self, tag: int, start: int, codes: Sequence[int], heads: Sequence[int]) -> torch.Tensor:
-        """KV of positions ``start .. start+len(codes)-1`` (token code per
-        position), for global ``heads``: ``[L, 2, len(heads), T, D]``."""
-        L = self.layout
-        dev = self.device
-        T = len(codes)
-        nh = L.head_dim - _CODE_DIMS
-        pos = torch.arange(start, start + T, device=dev, dtype=torch.int64)
-        tok = torch.tensor(list(codes), device=dev, dtype=torch.int64)
-        seed = _mix_py(tag, 0x51ED)
-        x = _mix((pos * 0x2545F491 + seed) & _M32)
-        x = _mix(x ^ ((tok * 0x6F4F2A45) & _M32))
-        d = torch.arange(nh, device=dev, dtype=torch.int64)
-        c = _mix(x.view(T, 1) ^ ((d * 0x9E3779B1) & _M32).view(1, nh)) % _HASH_MOD  # [T, nh]
-        hi = torch.tensor(list(heads), device=dev, dtype=torch.int64)
-        q = self._q.index_select(2, hi)  # [L, 2, Hs, nh]
-        hashed = (q.unsqueeze(3) + c.view(1, 1, 1, T, nh)) % _HASH_MOD - 125
-        out = torch.empty((L.layers, 2, len(heads), T, L.head_dim), dtype=L.torch_dtype, device=dev)
-        out[..., _CODE_DIMS:] = (hashed.to(torch.float32) / 64).to(L.torch_dtype)
-        out[..., 0] = float(1 + tag % _CODE)
-        out[..., 1] = float(1 + (tag // _CODE) % _CODE)
-        out[..., 2] = ((pos % _CODE) + 1).to(L.torch_dtype).view(1, 1, 1, T)
-        out[..., 3] = ((hi % _CODE) + 1).to(L.torch_dtype).view(1, 1, -1, 1)
-        return out
+    def _rows(self, tags: Sequence[int], start: int, codes: Sequence[int]) -> torch.Tensor:
+        """The position-dependent part, float32 ``[T, D]``: dims 0-2 the tag
+        and position codes, dim 3 zero, hashed dims ``k / S`` (k in 0..A)."""
+        radix, half, div = self._radix, self._half, self._div
+        mults = self._mults
+        one = len(tags) == 1
+        rows = []
+        mod = half + 1
+        for i, code in enumerate(codes):
+            tag = tags[0] if one else tags[i]
+            p = start + i
+            x = _mix_py(tag, p, code)
+            row = [1.0 + tag % radix, 1.0 + (tag // radix) % radix, 1.0 + p % radix, 0.0]
+            row += [(((x * m) & _M32) >> 20) % mod / div for m in mults]
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.float32, device=self.device)
 
-    def _write_positions(self, w: _Worker, table: Sequence[int], tag: int, start: int,
+    def _values(self, tags: Sequence[int], start: int, codes: Sequence[int],
+                part: tuple[int, int, tuple[int, ...]], layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """Float32 KV of positions ``start ..`` (a tag and token code per
+        position, or one tag for all) for one part: ``[layers, K/V, heads, T, D]``."""
+        l0, l1, hs = part
+        if layers is not None:
+            l0, l1 = max(l0, layers[0]), min(l1, layers[1])
+        q = self._qf[l0:l1, :, hs[0]: hs[-1] + 1]  # a rank's heads are contiguous
+        return q + self._rows(tags, start, codes)
+
+    def _static_scale(self, w: _Worker) -> float:
+        return w.static_scale
+
+    def _store(self, w: _Worker, i: int, blk: int, s0: int, s1: int, vals: torch.Tensor, tag: int) -> None:
+        """pool part ``i`` [blk, :, :, :, s0:s1] = ``vals`` (float32, quantized for fp8)."""
+        pool = w.pools[i]
+        L = self.layout
+        if not L.fp8:
+            pool[blk, :, :, :, s0:s1] = vals
+            return
+        scales = w.scales[i]
+        if L.scale == "per-block":
+            row = scales[blk]
+            if bool(torch.isnan(row).any()):  # a fresh block: its scale is set by its first writer
+                row.fill_(2.0 ** -(tag % 3))
+            s = row
+        else:
+            s = scales[0]
+        q, _ = self._quant.quantize(vals, L.dtype, scale=s)
+        pool[blk, :, :, :, s0:s1] = q
+
+    def _write_positions(self, w: _Worker, table: Sequence[int], tags: Sequence[int], start: int,
                          codes: Sequence[int], line: int) -> None:
-        """Write KV of positions start.. into ``table`` on every rank of ``w``
+        """Write KV of positions start.. into ``table`` on every part of ``w``
         (current stream).  Positions past the table are dropped."""
         bs = self.layout.block_size
         end = start + len(codes)
-        blocks = []
         spans = []
         p = start
         while p < end:
@@ -745,50 +957,119 @@ class TorchBackend:
             if bi >= len(table):
                 break
             q = min(end, (bi + 1) * bs)
-            blocks.append(table[bi])
             spans.append((table[bi], p, q))
             p = q
         if not spans:
             return
+        blocks = [s[0] for s in spans]
         self._worker(w.name, need=blocks)
         self._before_modify(w, blocks, line)
-        chunk = max(bs, (8 << 20) // max(1, self.layout.layers * 2 * self.layout.kv_heads * self.layout.head_dim) // bs * bs)
+        L = self.layout
+        one = len(tags) == 1
+        chunk = max(bs, (8 << 20) // max(1, L.layers * L.kv * L.kv_heads * L.head_dim) // bs * bs)
+        tag0 = tags[0]
         for c0 in range(start, spans[-1][2], chunk):
             c1 = min(c0 + chunk, spans[-1][2])
-            vals = {}
-            for r in range(w.tp):
-                vals[r] = self._values(tag, c0, codes[c0 - start: c1 - start], w.heads[r])
+            t = tags if one else tags[c0 - start: c1 - start]
+            rows = self._rows(t, c0, codes[c0 - start: c1 - start])
+            for i, (l0, l1, hs) in enumerate(w.parts):
+                vals = self._qf[l0:l1, :, hs[0]: hs[-1] + 1] + rows
+                if not L.fp8:
+                    vals = vals.to(L.torch_dtype)
+                for blk, p0, p1 in spans:
+                    a, b = max(p0, c0), min(p1, c1)
+                    if a < b:
+                        self._store(w, i, blk, a % bs, a % bs + (b - a), vals[:, :, :, a - c0: b - c0], tag0)
+        if len(spans) == 1:
+            self._touch(w, blocks, line, start % bs, (end - 1) % bs + 1 if end <= (start // bs + 1) * bs else bs)
+        else:
+            self._touch(w, blocks, line)
+        if self._shares:
             for blk, p0, p1 in spans:
-                a, b = max(p0, c0), min(p1, c1)
-                if a >= b:
-                    continue
-                for r in range(w.tp):
-                    w.pools[r][blk, :, :, :, a % bs: a % bs + (b - a), :] = vals[r][:, :, :, a - c0: b - c0, :]
-        self._touch(w, blocks, line)
+                o = w.origin.setdefault(blk, [None] * bs)
+                for p in range(p0, p1):
+                    o[p % bs] = (tags[0] if one else tags[p - start]) if codes[p - start] == _PROMPT else None
 
-    def _poison(self, w: _Worker, blocks: Sequence[int], line: int) -> None:
+    def _poison(self, w: _Worker, blocks: Sequence[int], line: int, lo: int = 0, hi: int | None = None) -> None:
         blocks = [b for b in blocks if b < w.nblocks]
         if not blocks:
             return
         self._before_modify(w, blocks, line)
-        idx = torch.tensor(blocks, device=self.device, dtype=torch.int64)
-        for r in range(w.tp):
-            w.pools[r].index_fill_(0, idx, float("nan"))
-        self._touch(w, blocks, line)
+        L = self.layout
+        full = lo == 0 and (hi is None or hi >= L.block_size)
+        for i, pool in enumerate(w.pools):
+            if full and len(blocks) > 1:
+                idx = torch.tensor(blocks, device=self.device, dtype=torch.int64)
+                if L.fp8:
+                    pool.view(torch.uint8).index_fill_(0, idx, 0x7F)
+                else:
+                    pool.index_fill_(0, idx, float("nan"))
+            else:
+                for b in blocks:
+                    _poison_(pool[b] if full else pool[b, :, :, :, lo:hi], L.fp8)
+            if L.fp8 and L.scale == "per-block" and full:
+                for b in blocks:
+                    w.scales[i][b].fill_(float("nan"))
+        self._touch(w, blocks, line, lo, hi)
+        if self._shares:
+            for b in blocks:
+                o = w.origin.get(b)
+                if o is not None:
+                    for s in range(lo, L.block_size if hi is None else hi):
+                        o[s] = None
 
     def _before_modify(self, w: _Worker, blocks: Iterable[int], line: int) -> None:
         """Before the current stream modifies ``blocks`` of ``w``: materialise
         lazy reads of them, and wait for side-stream copies touching ``w``."""
-        tids: set[str] = set()
-        for b in blocks:
-            s = self._lazy.get((w.name, b))
-            if s:
-                tids |= s
-        for tid in sorted(tids):
-            self._materialise(self._xfers[tid])
+        if self._lazy:
+            tids: set[str] = set()
+            for b in blocks:
+                s = self._lazy.get((w.name, b))
+                if s:
+                    tids |= s
+            for tid in sorted(tids):
+                self._materialise(self._xfers[tid])
+        if w.stash:
+            for b in blocks:
+                w.stash.pop(b, None)
         self._main_touch(w.name)
 
     # -- transfers -----------------------------------------------------------
+
+    def _table(self, g: _Gen, worker: str, own: Sequence[int] | None = None) -> list[int]:
+        """``g``'s block table on ``worker``: its shared blocks, then ``own``
+        (default: the blocks it allocated there)."""
+        shared = g.shared.get(worker)
+        if own is None:
+            own = self._alloc.get(g.key, {}).get(worker, [])
+        return (list(shared[0]) if shared else []) + list(own)
+
+    def _plan(self, t: _Xfer) -> None:
+        """The moves of ``t``: per block pair, the first position it holds and
+        the slots that move (its token range, else the whole block)."""
+        bs = self.layout.block_size
+        n = min(len(t.src_blocks), len(t.dst_blocks))
+        moves = []
+        if t.tokens is not None:
+            lo, hi = t.tokens
+            k = lo // bs
+            for i in range(n):
+                p0 = (k + i) * bs
+                a, b = max(lo, p0), min(hi, p0 + bs)
+                if a < b:
+                    moves.append((i, t.src_blocks[i], t.dst_blocks[i], p0, a - p0, b - p0))
+        else:
+            g = self._gens.get(t.key)
+            index: dict[int, int] = {}
+            if g is not None:
+                pre = g.prefill.get(t.src)
+                table = self._table(g, t.src, pre if pre is not None else None)
+                for j, b in enumerate(table):
+                    index.setdefault(b, j)
+            for i in range(n):
+                j = index.get(t.src_blocks[i], i)
+                moves.append((i, t.src_blocks[i], t.dst_blocks[i], j * bs, 0, bs))
+        t.moves = moves
 
     def _read(self, t: _Xfer, line: int) -> None:
         """The read of ``t`` happens now: register it as a lazy read."""
@@ -808,91 +1089,194 @@ class TorchBackend:
                 if not s:
                     del self._lazy[(t.src, b)]
 
+    def _buffer(self, like: torch.Tensor, n: int) -> torch.Tensor:
+        """A staging buffer of ``n`` rows shaped like ``like``'s, from the free list."""
+        key = (tuple(like.shape[1:]), like.dtype)
+        free = self._staging.get(key)
+        if free:
+            for j, buf in enumerate(free):
+                if buf.shape[0] >= n:
+                    return free.pop(j)[:n]
+        rows = max(n, 1)
+        buf = torch.empty((rows,) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device)
+        self.memory += buf.numel() * buf.element_size()
+        return buf
+
+    def _release(self, t: _Xfer) -> None:
+        """Give ``t``'s staging buffers back to the free list (stream order keeps them safe)."""
+        if t.staged is None:
+            return
+        for buf in t.staged[0]:
+            base = buf._base if buf._base is not None else buf
+            if base.dtype != buf.dtype:  # never happens: buffers are made in their dtype
+                continue
+            self._staging.setdefault((tuple(base.shape[1:]), base.dtype), []).append(base)
+        t.staged = None
+
     def _materialise(self, t: _Xfer) -> None:
-        """Copy-on-write: snapshot ``t``'s source into staging now."""
+        """Copy-on-write: snapshot ``t``'s source into (reused) staging buffers now."""
         if t.staged is not None:
             return
         src = self._workers[t.src]
-        idx = torch.tensor(t.src_blocks, device=self.device, dtype=torch.int64)
+        ids = list(t.src_blocks)
+        n = len(ids)
+        run = n > 0 and all(ids[i] == ids[0] + i for i in range(n))
+        per_block = self.layout.fp8 and self.layout.scale == "per-block"
 
-        ids = t.src_blocks
-        run = len(ids) > 0 and all(ids[i] == ids[0] + i for i in range(len(ids)))
-
-        def gather() -> list[torch.Tensor]:
-            if run:  # one contiguous slice: a plain copy
-                return [pool[ids[0]: ids[0] + len(ids)].clone() for pool in src.pools]
-            return [pool.index_select(0, idx) for pool in src.pools]
+        def gather() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            idx = None if run else torch.tensor(ids, device=self.device, dtype=torch.int64)
+            rows, scales = [], []
+            for pool in src.pools:
+                buf = self._buffer(pool, n)
+                if run:
+                    buf.copy_(pool[ids[0]: ids[0] + n])
+                else:
+                    torch.index_select(_bytes(pool), 0, idx, out=_bytes(buf))
+                rows.append(buf)
+            if per_block:
+                for s in src.scales:
+                    scales.append(s[ids[0]: ids[0] + n].clone() if run else s.index_select(0, idx))
+            return rows, scales
 
         t.staged = self._side(gather, [t.src])
         self._unregister_lazy(t)
 
-    def _head_segments(self, src: _Worker, dst: _Worker) -> list[list[tuple[int, int, int, int]]]:
-        """Per destination rank: (source rank, source local head, dest local head, count)."""
-        key = (src.role, dst.role)
+    def _head_segments(self, src: _Worker, dst: _Worker) -> list:
+        """Per destination part: (source part, first layer, end layer, runs of
+        (source local head, dest local head, count))."""
+        key = (tuple(src.parts), tuple(dst.parts))
         segs = self._segments.get(key)
         if segs is not None:
             return segs
-        owner: dict[int, tuple[int, int]] = {}
-        for r, hs in enumerate(src.heads):
-            for i, h in enumerate(hs):
-                owner.setdefault(h, (r, i))
         segs = []
-        for hs in dst.heads:
-            runs: list[list[int]] = []
-            for j, h in enumerate(hs):
-                sh = self.head_map[h] if self.head_map is not None else h
-                rp, i = owner[sh]
-                if runs and runs[-1][0] == rp and runs[-1][1] + runs[-1][3] == i and runs[-1][2] + runs[-1][3] == j:
-                    runs[-1][3] += 1
-                else:
-                    runs.append([rp, i, j, 1])
-            segs.append([tuple(r) for r in runs])  # type: ignore[misc]
+        for dl0, dl1, dhs in dst.parts:
+            out = []
+            for pi, (sl0, sl1, shs) in enumerate(src.parts):
+                a, b = max(dl0, sl0), min(dl1, sl1)
+                if a >= b:
+                    continue
+                runs: list[list[int]] = []
+                for j, h in enumerate(dhs):
+                    sh = self.head_map[h] if self.head_map is not None else h
+                    # the first part of this stage holding the head serves it
+                    owner = next(q for q, (ql0, ql1, qhs) in enumerate(src.parts)
+                                 if ql0 == sl0 and sh in qhs)
+                    if owner != pi:
+                        continue
+                    i = shs.index(sh)
+                    if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == j:
+                        runs[-1][2] += 1
+                    else:
+                        runs.append([i, j, 1])
+                if runs:
+                    out.append((pi, a, b, [tuple(r) for r in runs]))
+            segs.append(out)
         self._segments[key] = segs
         return segs
 
     def _write(self, t: _Xfer, line: int) -> None:
-        """The writes of ``t`` land now."""
+        """The writes of ``t`` land now: its layers and slots, block by block."""
         src = self._worker(t.src, "prefill", t.src_blocks)
         dst = self._worker(t.dst, "decode", t.dst_blocks)
         t.wrote = True
         self._drop_writer(t)
-        n = min(len(t.src_blocks), len(t.dst_blocks))
-        if src is None or dst is None or n == 0:
+        if not t.moves:
+            self._plan(t)
+        moves = t.moves
+        if src is None or dst is None or not moves:
             self._unregister_lazy(t)
+            self._release(t)
             return
+        dst_ids = [m[2] for m in moves]
         # other lazy reads of the target blocks (and t's own, on overlap) snapshot first
-        tids: set[str] = set()
-        for b in t.dst_blocks[:n]:
-            tids |= self._lazy.get((t.dst, b), set())
-        for tid in sorted(tids):
-            self._materialise(self._xfers[tid])
+        if self._lazy:
+            tids: set[str] = set()
+            for b in dst_ids:
+                tids |= self._lazy.get((t.dst, b), set())
+            for tid in sorted(tids):
+                self._materialise(self._xfers[tid])
+        if dst.stash:
+            for b in dst_ids:
+                dst.stash.pop(b, None)
+        L = self.layout
+        bs = L.block_size
         if t.staged is not None:
-            sources = t.staged
-            src_ids = list(range(n))
+            sources, ssc = t.staged
+            src_ids = [m[0] for m in moves]
         else:
-            sources = src.pools
-            src_ids = list(t.src_blocks[:n])
-        dst_ids = list(t.dst_blocks[:n])
+            sources, ssc = src.pools, src.scales
+            src_ids = [m[1] for m in moves]
         segs = self._head_segments(src, dst)
-        Hs = [len(h) for h in src.heads]
-        Hd = [len(h) for h in dst.heads]
+        lr = t.layers
+        full_ids = [(d, s) for (d, s, m) in zip(dst_ids, src_ids, moves) if m[4] == 0 and m[5] == bs]
+        part_ids = [(d, s, m[4], m[5]) for (d, s, m) in zip(dst_ids, src_ids, moves) if not (m[4] == 0 and m[5] == bs)]
+        per_block = L.fp8 and L.scale == "per-block" and not self.drop_scales
+        moved = [0]
 
         def copy() -> None:
-            for rd, runs in enumerate(segs):
-                for rp, i, j, cnt in runs:
-                    full = cnt == Hd[rd] and cnt == Hs[rp]
-                    _copy_blocks(dst.pools[rd], dst_ids, sources[rp], src_ids,
-                                 None if full else (j, j + cnt), None if full else (i, i + cnt))
+            for di, out in enumerate(segs):
+                dl0 = dst.parts[di][0]
+                nd = len(dst.parts[di][2])
+                for pi, a, b, runs in out:
+                    if lr is not None:
+                        a, b = max(a, lr[0]), min(b, lr[1])
+                        if a >= b:
+                            continue
+                    sl0 = src.parts[pi][0]
+                    ns = len(src.parts[pi][2])
+                    dl = (a - dl0, b - dl0)
+                    sl = (a - sl0, b - sl0)
+                    for i, j, cnt in runs:
+                        heads = None if (cnt == nd and cnt == ns) else ((j, j + cnt), (i, i + cnt))
+                        if full_ids:
+                            _copy_blocks(dst.pools[di], [d for d, _ in full_ids], sources[pi],
+                                         [s for _, s in full_ids], dl, sl, heads, None)
+                        for d, s, s0, s1 in part_ids:
+                            _copy_blocks(dst.pools[di], [d], sources[pi], [s], dl, sl, heads, (s0, s1))
+                        moved[0] += (b - a) * cnt
+                    if per_block:
+                        for d, s in [(d, s) for d, s in full_ids] + [(d, s) for d, s, _, _ in part_ids]:
+                            dst.scales[di][d, dl[0]: dl[1]].copy_(ssc[pi][s, sl[0]: sl[1]])
 
         self._side(copy, [t.src, t.dst])
-        self.bytes_copied += n * sum(p[0].numel() * p.element_size() for p in dst.pools)
+        slots = sum(m[5] - m[4] for m in moves)
+        self.bytes_copied += slots * moved[0] * L.kv * L.head_dim * L.elem_bytes
         self._unregister_lazy(t)
-        t.staged = None
+        self._release(t)
         self._clock += 1
         t.write_stamp = self._clock
-        for b in dst_ids:
-            dst.stamp[b] = self._clock
-            dst.last_write[b] = line
+        for (i, sb, db, p0, s0, s1) in moves:
+            dst.mod[db] = (dst.stamp.get(db, 0), s0, s1)
+            dst.stamp[db] = self._clock
+            dst.last_write[db] = line
+        self._landed(t, src, dst)
+
+    def _landed(self, t: _Xfer, src: _Worker, dst: _Worker) -> None:
+        """After ``t``'s writes: the target slots hold the source's prompt KV (origins)."""
+        g = self._gens.get(t.key)
+        if g is None:
+            return
+        so = g.orig.get(t.src)
+        do = g.orig.get(t.dst)
+        bs = self.layout.block_size
+        if so is None and do is None and not self._shares:
+            return
+        for (i, sb, db, p0, s0, s1) in t.moves:
+            for s in range(s0, s1):
+                p = p0 + s
+                tag = so.get(p, g.tag) if so is not None else g.tag
+                if do is not None or tag != g.tag:
+                    d = g.orig.setdefault(t.dst, {})
+                    do = d
+                    if d.get(p, g.tag) != tag:
+                        if tag == g.tag:
+                            d.pop(p, None)
+                        else:
+                            d[p] = tag
+                        g.invalidate(t.dst, p // bs)
+                if self._shares:
+                    o = dst.origin.setdefault(db, [None] * bs)
+                    o[s] = tag if p < self._prompt(g) else None
 
     def _late_read(self, t: _Xfer, line: int) -> None:
         """A read that the history ends after the writes: if the source changed
@@ -906,7 +1290,7 @@ class TorchBackend:
             src.stamp.get(b, 0) > t.write_stamp for b in t.src_blocks
         )
         if changed:
-            t.staged = None
+            self._release(t)
             self._write(t, line)
 
     def _drop_writer(self, t: _Xfer) -> None:
@@ -920,24 +1304,58 @@ class TorchBackend:
     # -- verification --------------------------------------------------------
 
     def _owned(self, key: tuple[str, int], worker: str, blocks: Iterable[int]) -> bool:
-        return all(self._owner.get((worker, b)) == key for b in blocks)
+        owner = self._owner
+        for b in blocks:
+            o = owner.get((worker, b))
+            if not o or key not in o:
+                return False
+        return True
 
-    def _expect_codes(self, g: _Gen, upto: int) -> list[int]:
-        prompt = g.prompt_len if g.prompt_len is not None else (g.processed_len or 0)
-        codes = []
-        for p in range(upto):
+    @staticmethod
+    def _prompt(g: _Gen) -> int:
+        return g.prompt_len if g.prompt_len is not None else (g.processed_len or 0)
+
+    def _expect(self, g: _Gen, worker: str, p0: int, p1: int) -> tuple[list[int], list[int]]:
+        """Origin tag and token code expected at positions ``p0 .. p1-1`` of ``g`` on ``worker``."""
+        prompt = self._prompt(g)
+        orig = g.orig.get(worker)
+        tags, codes = [], []
+        tag = g.tag
+        for p in range(p0, p1):
             if p < prompt:
                 codes.append(_PROMPT)
+                tags.append(orig.get(p, tag) if orig else tag)
             else:
                 tok = g.exp_tok.get(p)
                 codes.append(_NO_TOKEN if tok is None else (tok + 1) & _M32)
-        return codes
+                tags.append(tag)
+        if len(set(tags)) == 1:
+            tags = tags[:1]
+        return tags, codes
+
+    def _check(self, w: _Worker, i: int, blk: int, s0: int, s1: int, exp: torch.Tensor,
+               layers: tuple[int, int] | None = None) -> bool:
+        """Does part ``i`` of block ``blk``, slots ``s0..s1``, hold ``exp`` (float32)?"""
+        pool = w.pools[i]
+        L = self.layout
+        if layers is None:
+            act = pool[blk, :, :, :, s0:s1]
+        else:
+            act = pool[blk, layers[0]: layers[1], :, :, s0:s1]
+        self.bytes_verified += act.numel() * L.elem_bytes
+        if not L.fp8:
+            return torch.equal(act, exp.to(L.torch_dtype))
+        s = w.scales[i][blk] if L.scale == "per-block" else w.scales[i][0]
+        if layers is not None:
+            s = s[layers[0]: layers[1]]
+        return bool(self._quant.close(self._quant.dequantize(act, s), exp, L.dtype, s).all())
 
     def _verify(self, g: _Gen, worker: str, table: Sequence[int], upto: int, line: int,
                 what: str, witness: Iterable[int | None] = (), transfer: str | None = None,
                 ticket: str | None = None) -> bool:
         """Check positions ``0..upto-1`` of ``g`` in ``table`` on ``worker``;
-        report the first wrong element.  Returns True when all is right."""
+        report the first wrong element.  Only slots modified since ``g`` last
+        verified them are checked again.  Returns True when all is right."""
         if upto <= 0:
             return True
         w = self._workers.get(worker)
@@ -947,19 +1365,58 @@ class TorchBackend:
             have = 0 if w is None else len(table)
             self._report_missing(g, worker, table, have * bs, what, line, witness, transfer, ticket)
             return False
-        codes = self._expect_codes(g, upto)
         self._worker(worker, need=table[:need_blocks])
-        self._main_touch(worker)
+        checked = g.checked
+        version = self._version
+        synced = False
         for bi in range(need_blocks):
             blk = table[bi]
-            p0, p1 = bi * bs, min(upto, (bi + 1) * bs)
-            seg = codes[p0:p1]
-            for r in range(w.tp):
-                exp = self._values(g.tag, p0, seg, w.heads[r])  # [L,2,Hl,T,D]
-                act = w.pools[r][blk, :, :, :, 0: p1 - p0, :]
-                if torch.equal(act, exp):
-                    continue
-                self._report_wrong(g, w, blk, bi, p0, r, act, exp, what, line, witness, transfer, ticket)
+            n = min(bs, upto - bi * bs)
+            st = version(w, blk)
+            rec = checked.get((worker, bi))
+            lo = 0
+            if rec is not None and rec[0] == blk:
+                if rec[1] == st:
+                    lo = rec[2]
+                else:
+                    m = w.mod.get(blk)
+                    if m is not None and m[0] == rec[1] and w.stamp.get(blk, 0) == st:
+                        lo = min(rec[2], m[1])
+            if lo >= n:
+                continue
+            if not synced:
+                self._main_touch(worker)
+                synced = True
+            p0 = bi * bs
+            tags, codes = self._expect(g, worker, p0 + lo, p0 + n)
+            rows = self._rows(tags, p0 + lo, codes)
+            for i, (l0, l1, hs) in enumerate(w.parts):
+                exp = self._qf[l0:l1, :, hs[0]: hs[-1] + 1] + rows
+                if not self._check(w, i, blk, lo, n, exp):
+                    self._report_wrong(g, w, blk, bi, p0 + lo, n - lo, what, line, witness, transfer, ticket)
+                    return False
+            checked[(worker, bi)] = (blk, st, n)
+        return True
+
+    def _verify_slots(self, g: _Gen, worker: str, blk: int, p0: int, s0: int, s1: int,
+                      layers: tuple[int, int] | None, line: int, what: str, witness: Iterable[int | None],
+                      transfer: str | None, ticket: str | None) -> bool:
+        """Check slots ``s0..s1`` of ``blk`` (positions ``p0+s0 ..``), ``layers`` only."""
+        w = self._workers.get(worker)
+        if w is None or s0 >= s1:
+            return True
+        self._worker(worker, need=[blk])
+        self._main_touch(worker)
+        tags, codes = self._expect(g, worker, p0 + s0, p0 + s1)
+        rows = self._rows(tags, p0 + s0, codes)
+        for i, (l0, l1, hs) in enumerate(w.parts):
+            a, b = (l0, l1) if layers is None else (max(l0, layers[0]), min(l1, layers[1]))
+            if a >= b:
+                continue
+            exp = self._qf[a:b, :, hs[0]: hs[-1] + 1] + rows
+            if not self._check(w, i, blk, s0, s1, exp, (a - l0, b - l0)):
+                self._report_wrong(g, w, blk, (p0 + s0) // self.layout.block_size, p0 + s0, s1 - s0, what,
+                                   line, witness, transfer, ticket)
                 return False
         return True
 
@@ -980,18 +1437,26 @@ class TorchBackend:
             transfer=transfer, ticket=ticket,
         ))
 
-    def _report_wrong(self, g: _Gen, w: _Worker, blk: int, bi: int, p0: int, r: int,
-                      act: torch.Tensor, exp: torch.Tensor, what: str, line: int,
-                      witness: Iterable[int | None], transfer: str | None, ticket: str | None) -> None:
-        # the first wrong element over all ranks: lowest position, then layer
+    def _report_wrong(self, g: _Gen, w: _Worker, blk: int, bi: int, pstart: int, count: int, what: str,
+                      line: int, witness: Iterable[int | None], transfer: str | None, ticket: str | None) -> None:
+        """Report the first wrong element of positions ``pstart .. pstart+count-1``
+        in ``blk`` over all parts: lowest position, then layer."""
+        L = self.layout
+        bs = L.block_size
+        s0 = pstart % bs
+        tags, codes = self._expect(g, w.name, pstart, pstart + count)
+        rows = self._rows(tags, pstart, codes)
         best = None
-        for rr in range(w.tp):
-            if rr == r:
-                a, e = act, exp
+        for i, (l0, l1, hs) in enumerate(w.parts):
+            a = w.pools[i][blk, :, :, :, s0: s0 + count]
+            e = self._qf[l0:l1, :, hs[0]: hs[-1] + 1] + rows
+            if L.fp8:
+                s = w.scales[i][blk] if L.scale == "per-block" else w.scales[i][0]
+                af = self._quant.dequantize(a, s)
+                bad = ~self._quant.close(af, e, L.dtype, s)
             else:
-                a = w.pools[rr][blk, :, :, :, 0: act.shape[3], :]
-                e = self._values(g.tag, p0, self._expect_codes(g, p0 + act.shape[3])[p0:], w.heads[rr])
-            bad = ~(a == e)  # NaN counts as wrong
+                af = a
+                bad = ~(a == e.to(L.torch_dtype))  # NaN counts as wrong
             if not bool(bad.any()):
                 continue
             lt = bad.any(dim=4).any(dim=2).any(dim=1)  # [L, T]
@@ -1000,26 +1465,32 @@ class TorchBackend:
             layer = int(lt[:, t].nonzero()[0])
             kh = bad[layer, :, :, t, :].any(dim=2).nonzero()[0]
             k, h = int(kh[0]), int(kh[1])
-            cand = (t, layer, rr, k, h)
+            cand = (t, l0 + layer, i, k, h)
             if best is None or cand[:2] < best[0][:2]:
-                best = (cand, a[layer, k, h, t, :].float().cpu())
+                best = (cand, af[layer, k, h, t, :].float().cpu())
         if best is None:  # pragma: no cover - equal after all
             return
-        (t, layer, rr, k, h), row = best
-        position = p0 + t
-        head = w.heads[rr][h]
+        (t, layer, i, k, h), row = best
+        position = pstart + t
+        head = w.parts[i][2][h]
         found, found_text = self._decode_row(row)
         if (isinstance(found, dict) and (found.get("request"), found.get("gen")) == g.key
-                and found.get("position_mod") == position % _CODE and found.get("head") == head):
+                and found.get("position_mod") == position % self._radix and found.get("head") == head % self._radix):
             found_text = f"its own KV for position {position}, but written for another input token"
         wrote = w.last_write.get(blk)
         if w.restart_line is not None and (wrote is None or w.restart_line > wrote) and w.restart_stamp >= w.stamp.get(blk, 0):
             wrote = w.restart_line
-        expected = "the prompt KV" if position < (g.prompt_len or 0) else (
-            f"the KV of input token {g.exp_tok[position]}" if position in g.exp_tok else "no KV ever written")
+        prompt = self._prompt(g)
+        if position < prompt:
+            origin = tags[0] if len(tags) == 1 else tags[t]
+            expected = "the prompt KV" if origin == g.tag else (
+                f"the shared prompt KV computed by {_fmt(self._tags[origin])}")
+        else:
+            expected = f"the KV of input token {g.exp_tok[position]}" if position in g.exp_tok else "no KV ever written"
+        kind = "latent" if L.layout == "mla" else f"{'KV'[k]} head {head}"
         msg = (
             f"{what} of {_fmt(g.key)} on {w.name!r}: block {blk} (table index {bi}) at position "
-            f"{position}, layer {layer}, {'KV'[k]} head {head} (rank {rr}) should hold {expected} "
+            f"{position}, layer {layer}, {kind} (rank {i}) should hold {expected} "
             f"of that generation but holds {found_text}"
         )
         if wrote is not None:
@@ -1027,7 +1498,7 @@ class TorchBackend:
         self._emit((g.key, w.name, blk, position), KVCorruption(
             KV_CORRUPTION, line, msg, _witness(list(witness) + [wrote], line),
             request=g.key[0], gen=g.key[1], worker=w.name, block=blk,
-            layer=layer, position=position, head=head, rank=rr, found=found,
+            layer=layer, position=position, head=head, rank=i, found=found,
             transfer=transfer, ticket=ticket,
         ))
 
@@ -1035,19 +1506,22 @@ class TorchBackend:
         vals = row.tolist()
         if any(v != v for v in vals):
             return "poison", "poison (freed, restarted or never written)"
+        radix = self._radix
         c = vals[:_CODE_DIMS]
-        if not all(float(x).is_integer() and 1 <= x <= _CODE for x in c):
+        if not all(float(x).is_integer() and 1 <= x <= radix for x in c):
+            if self.layout.fp8:
+                return None, "unrecognisable bytes (KV read with a wrong scale, or not KV)"
             return None, "unrecognisable bytes"
-        tag = int(c[0] - 1) + _CODE * int(c[1] - 1)
+        tag = int(c[0] - 1) + radix * int(c[1] - 1)
         pos_code, head = int(c[2] - 1), int(c[3] - 1)
-        cands = self._tags[tag::_CODE * _CODE]
+        cands = self._tags[tag:: radix * radix]
         if len(cands) != 1:
-            return None, f"KV of an unknown generation (position = {pos_code} mod {_CODE}, head {head})"
+            return None, f"KV of an unknown generation (position = {pos_code} mod {radix}, head {head})"
         key = cands[0]
         if key == _PROBE:
             return {"request": None, "gen": None, "probe": True}, "the probe written at the end of the history"
         found = {"request": key[0], "gen": key[1], "position_mod": pos_code, "head": head}
-        return found, f"KV of {_fmt(key)} for position {pos_code} (mod {_CODE}), head {head}"
+        return found, f"KV of {_fmt(key)} for position {pos_code} (mod {radix}), head {head}"
 
     def _final_check(self, g: _Gen, line: int) -> None:
         if g.last_decode is None:
@@ -1065,19 +1539,18 @@ class TorchBackend:
         if w is None:
             return
         bs = self.layout.block_size
-        self._write_positions(w, [b], self._probe_tag, 0, [_PROMPT] * bs, line)
+        self._write_positions(w, [b], [self._probe_tag], 0, [_PROMPT] * bs, line)
 
     def _verify_probe(self, worker: str, b: int, t: _Xfer, line: int) -> None:
         w = self._workers[worker]
-        probe = self._gens[_PROBE]
-        owner = self._owner.get((worker, b))
+        owners = self._owner.get((worker, b))
         bs = self.layout.block_size
-        for r in range(w.tp):
-            exp = self._values(probe.tag, 0, [_PROMPT] * bs, w.heads[r])
-            self._main_touch(worker)
-            if torch.equal(w.pools[r][b], exp):
+        rows = self._rows([self._probe_tag], 0, [_PROMPT] * bs)
+        self._main_touch(worker)
+        for i, (l0, l1, hs) in enumerate(w.parts):
+            if self._check(w, i, b, 0, bs, self._qf[l0:l1, :, hs[0]: hs[-1] + 1] + rows):
                 continue
-            who = "free" if owner is None else f"now owned by {_fmt(owner)}"
+            who = "free" if not owners else f"now owned by {_fmt(owners[0])}"
             self._emit(("probe", t.tid), KVCorruption(
                 KV_CORRUPTION, line,
                 f"transfer {t.tid!r} of {_fmt(t.key)} writes into block {b} on {worker!r}, which was "
@@ -1085,34 +1558,29 @@ class TorchBackend:
                 f"the end of the history (the latest it can), overwrote the KV the block held then "
                 f"(a probe standing for its next owner's KV)",
                 _witness([t.line, w.last_write.get(b)], line),
-                request=t.key[0], gen=t.key[1], worker=worker, block=b, rank=r,
+                request=t.key[0], gen=t.key[1], worker=worker, block=b, rank=i,
                 transfer=t.tid, ticket=t.ticket, found={"request": t.key[0], "gen": t.key[1]},
             ))
             return
 
     def _verify_transfer(self, t: _Xfer, line: int, what: str) -> None:
-        """Does ``t``'s target hold its generation's prompt KV where its
-        source's prefill put it (as the commit that may follow would read)?"""
+        """Does ``t``'s target hold its generation's prompt KV in the layers and
+        slots it moved (as the commit that may follow would read)?"""
         g = self._gens.get(t.key)
         if g is None or g.prefill_line is None or t.lost:
             return
-        pre = g.prefill.get(t.src)
-        if pre is None or not self._owned(t.key, t.dst, t.dst_blocks):
+        if t.src not in g.prefill or not self._owned(t.key, t.dst, t.dst_blocks):
             return
-        prompt = g.prompt_len if g.prompt_len is not None else (g.processed_len or 0)
-        bs = self.layout.block_size
-        n = min(len(t.src_blocks), len(t.dst_blocks))
-        # target table in prompt order, when the transfer covers a prefix
-        index = {b: i for i, b in enumerate(pre)}
-        table: list[int] = []
-        for i in range(n):
-            j = index.get(t.src_blocks[i])
-            if j != len(table):
-                break
-            table.append(t.dst_blocks[i])
-        upto = min(prompt, len(table) * bs)
-        self._verify(g, t.dst, table, upto, line, f"{what} {t.tid!r}", [t.line, g.prefill_line],
-                     transfer=t.tid, ticket=t.ticket)
+        if not t.moves:
+            self._plan(t)
+        prompt = self._prompt(g)
+        for (i, sb, db, p0, s0, s1) in t.moves:
+            s1 = min(s1, prompt - p0)
+            if s0 >= s1:
+                continue
+            if not self._verify_slots(g, t.dst, db, p0, s0, s1, t.layers, line, f"{what} {t.tid!r}",
+                                      [t.line, g.prefill_line], t.tid, t.ticket):
+                return
 
     # -- one handler per event kind -----------------------------------------
 
@@ -1123,7 +1591,8 @@ class TorchBackend:
     def _allocate(self, key: tuple[str, int], worker: str, blocks: Sequence[int], role: str) -> None:
         self._worker(worker, role, blocks)
         for b in blocks:
-            self._owner[(worker, b)] = key
+            self._owner[(worker, b)] = [key]
+        self._alloc.setdefault(key, {}).setdefault(worker, []).extend(blocks)
 
     def _on_reserve(self, ev: Reserve, line: int) -> None:
         key = (ev.request, ev.gen)
@@ -1143,26 +1612,91 @@ class TorchBackend:
         g.first_token = ev.first_token
         if g.prompt_len is None:
             g.prompt_len = ev.processed_len
-        g.exp_tok[g.prompt_len] = ev.first_token
+        self._expect_token(g, g.prompt_len, ev.first_token)
         g.prefill_line = line
-        table = g.prefill.get(ev.worker)
+        shared = g.shared.get(ev.worker)
+        table = self._table(g, ev.worker, g.prefill.get(ev.worker, ()))
         w = self._worker(ev.worker, "prefill")
-        if table is None or w is None:
+        if not table or w is None or (ev.worker not in g.prefill and not shared):
             return
+        # a prefix-cache hit computes the positions past its shared prefix only
+        start = shared[1] if shared else 0
         # positions past the table are dropped: never make more codes than it holds
-        n = min(ev.processed_len, len(table) * self.layout.block_size)
-        self._write_positions(w, table, g.tag, 0, [_PROMPT] * n, line)
+        n = max(0, min(ev.processed_len, len(table) * self.layout.block_size - start))
+        if n:
+            self._write_positions(w, table, [g.tag], start, [_PROMPT] * n, line)
+            o = g.orig.get(ev.worker)
+            if o:
+                for p in range(start, start + n):
+                    if o.pop(p, None) is not None:
+                        g.invalidate(ev.worker, p // self.layout.block_size)
+
+    def _expect_token(self, g: _Gen, position: int, token: int) -> None:
+        old = g.exp_tok.get(position)
+        g.exp_tok[position] = token
+        if old is not None and old != token:
+            g.invalidate(None, position // self.layout.block_size)
 
     def _on_alloc(self, ev: Alloc, line: int) -> None:
         key = (ev.request, ev.gen)
         self._gen(key)
         self._allocate(key, ev.worker, ev.blocks, "decode")
 
+    def _on_share(self, ev: Any, line: int) -> None:
+        """A prefix-cache hit: take a reference on the blocks; the origins of
+        the KV they hold for positions [old tokens, tokens) become expected."""
+        key = (ev.request, ev.gen)
+        g = self._gen(key)
+        w = self._worker(ev.worker, "prefill", ev.blocks)
+        old_blocks, old_tokens = g.shared.get(ev.worker, ((), 0))
+        blocks = tuple(old_blocks) + tuple(ev.blocks)
+        g.shared[ev.worker] = (blocks, ev.tokens)
+        for b in ev.blocks:
+            owners = self._owner.setdefault((ev.worker, b), [])
+            if not owners and w is not None:
+                self._revive(w, b)
+            if key not in owners:
+                owners.append(key)
+        if w is None:
+            return
+        bs = self.layout.block_size
+        o = g.orig.setdefault(ev.worker, {})
+        for p in range(old_tokens, min(ev.tokens, len(blocks) * bs)):
+            blk = blocks[p // bs]
+            slots = w.origin.get(blk)
+            tag = slots[p % bs] if slots is not None else None
+            tag = g.tag if tag is None else tag
+            if o.get(p, g.tag) != tag:
+                g.invalidate(ev.worker, p // bs)
+            if tag == g.tag:
+                o.pop(p, None)
+            else:
+                o[p] = tag
+
+    def _revive(self, w: _Worker, b: int) -> None:
+        """A free-but-cached block shared again: unless something modified it
+        since its last owner freed it, it holds the KV it held then."""
+        entry = w.stash.pop(b, None)
+        if entry is None or b >= w.nblocks:
+            return
+        stamp, rows, scales, origin = entry
+        if self._version(w, b) != stamp:
+            return
+        self._main_touch(w.name)
+        for i, r in enumerate(rows):
+            _bytes(w.pools[i])[b].copy_(_bytes(r))
+        for i, s in enumerate(scales):
+            w.scales[i][b].copy_(s)
+        if origin is not None:
+            w.origin[b] = list(origin)
+        self._touch(w, [b], self.line)
+
     def _on_transfer_start(self, ev: TransferStart, line: int) -> None:
         old = self._xfers.get(ev.transfer)
         if old is not None:  # id reuse: the old one is over
             self._unregister_lazy(old)
             self._drop_writer(old)
+            self._release(old)
         t = _Xfer(ev, line)
         self._xfers[ev.transfer] = t
         self._gen(t.key).transfers.append(ev.transfer)
@@ -1196,37 +1730,63 @@ class TorchBackend:
             return
         t.failed = True
         self._unregister_lazy(t)
-        t.staged = None
+        self._release(t)
         if not t.wrote:
             w = self._workers.get(t.dst)
             if w is not None:
                 self._worker(t.dst, need=t.dst_blocks)
-                self._poison(w, t.dst_blocks, line)  # a partial write: garbage
+                if not t.moves:
+                    self._plan(t)
+                if t.tokens is None:
+                    self._poison(w, t.dst_blocks, line)  # a partial write: garbage
+                else:
+                    for (i, sb, db, p0, s0, s1) in t.moves:
+                        self._poison(w, [db], line, s0, s1)
         self._drop_writer(t)
 
     def _on_transfer_abort(self, ev: TransferAbort, line: int) -> None:
         pass  # an abort is a request, not a fence
 
+    def _commit_table(self, g: _Gen, ev: Commit) -> tuple[list[int] | None, int | None]:
+        """The block table a commit makes readable: the generation's shared
+        blocks on the worker, then the blocks the ticket reserved there; without
+        a reservation, the blocks the ticket's landed transfers wrote, by the
+        table index of the positions they moved."""
+        bs = self.layout.block_size
+        tline = None
+        by_index: dict[int, int] = {}
+        for tid in g.transfers:
+            t = self._xfers[tid]
+            if t.ticket == ev.ticket and t.dst == ev.worker and t.wrote and not t.failed:
+                tline = t.line
+                if not t.moves:
+                    self._plan(t)
+                for (i, sb, db, p0, s0, s1) in t.moves:
+                    by_index[p0 // bs] = db
+        info = self._tickets.get(ev.ticket)
+        if info is not None and info[1] == ev.worker and info[0] == g.key:
+            return self._table(g, ev.worker, info[2]), tline
+        if not by_index:
+            return None, tline
+        table = self._table(g, ev.worker, ())
+        shared = len(table)
+        for j in range(shared, max(by_index) + 1):
+            if j not in by_index:
+                break
+            table.append(by_index[j])
+        return table, tline
+
     def _on_commit(self, ev: Commit, line: int) -> None:
         key = (ev.request, ev.gen)
         g = self._gen(key)
-        table: tuple[int, ...] | None = None
-        tline = None
-        for tid in reversed(g.transfers):
-            t = self._xfers[tid]
-            if t.ticket == ev.ticket and t.dst == ev.worker and t.wrote and not t.failed:
-                table, tline = t.dst_blocks, t.line
-                break
-        if table is None:
-            info = self._tickets.get(ev.ticket)
-            if info is not None and info[1] == ev.worker and info[0] == key:
-                table = info[2]
+        table, tline = self._commit_table(g, ev)
         if table is None:
             return  # nothing to read: the monitor reports the commit itself
+        table = tuple(table)
         g.committed = (ev.worker, table, line)
         if g.prefill_line is None:
             return
-        self._verify(g, ev.worker, table, g.prompt_len or 0, line,
+        self._verify(g, ev.worker, table, self._prompt(g), line,
                      "commit (KV made readable for decode)", [tline, g.prefill_line], ticket=ev.ticket)
 
     def _on_decode(self, ev: Decode, line: int) -> None:
@@ -1249,10 +1809,12 @@ class TorchBackend:
             self._report_missing(g, ev.worker, ev.blocks, len(ev.blocks) * bs,
                                  f"decode at position {ev.position} (its own KV)", line, [], None, None)
         else:
-            self._write_positions(w, ev.blocks, g.tag, ev.position, [(ev.input_token + 1) & _M32], line)
-        prompt = g.prompt_len if g.prompt_len is not None else (g.processed_len or 0)
-        if ev.position + 1 >= prompt:
-            g.exp_tok[ev.position + 1] = ev.output_token
+            self._write_positions(w, ev.blocks, [g.tag], ev.position, [(ev.input_token + 1) & _M32], line)
+            o = g.orig.get(ev.worker)
+            if o and o.pop(ev.position, None) is not None:
+                g.invalidate(ev.worker, ev.position // bs)
+        if ev.position + 1 >= self._prompt(g):
+            self._expect_token(g, ev.position + 1, ev.output_token)
         g.last_decode = (ev.worker, ev.blocks, ev.position, line)
         for b in ev.blocks:
             self._final[(ev.worker, b)] = key
@@ -1261,6 +1823,7 @@ class TorchBackend:
         g = self._gen((ev.request, ev.gen))
         self._final_check(g, line)
         g.terminal = True
+        g.checked.clear()
 
     def _on_free(self, ev: Free, line: int) -> None:
         w = self._workers.get(ev.worker)
@@ -1269,11 +1832,46 @@ class TorchBackend:
         keys = {self._final[(ev.worker, b)] for b in ev.blocks if (ev.worker, b) in self._final}
         for key in sorted(keys):
             self._final_check(self._gens[key], line)
+        who = (ev.request, ev.gen) if ev.request is not None and ev.gen is not None else None
+        gone = []
         for b in ev.blocks:
+            owners = self._owner.get((ev.worker, b))
+            if owners and who in owners and len(owners) > 1:
+                owners.remove(who)  # a shared block: another reference keeps it
+                continue
             self._owner.pop((ev.worker, b), None)
             for tid in self._writers.get((ev.worker, b), ()):
                 self._xfers[tid].early_freed.add(b)
-        self._poison(w, ev.blocks, line)
+            gone.append(b)
+        if who is not None:
+            alloc = self._alloc.get(who, {}).get(ev.worker)
+            if alloc:
+                drop = set(ev.blocks)
+                alloc[:] = [b for b in alloc if b not in drop]
+        kept = self._stash(w, gone) if self._shares else {}
+        self._poison(w, gone, line)
+        for b, entry in kept.items():
+            w.stash[b] = (self._version(w, b),) + entry[1:]
+
+    def _stash(self, w: _Worker, blocks: Sequence[int]) -> dict[int, tuple]:
+        """Before freed blocks are poisoned: what they hold, for a share that
+        revives one while nothing else modified it (a prefix cache)."""
+        out = {}
+        for b in blocks:
+            if b >= w.nblocks:
+                continue
+            old = w.stash.get(b)
+            if old is not None and old[0] == self._version(w, b):
+                out[b] = old  # freed again without a write: the cached KV is still the stashed one
+                continue
+            origin = w.origin.get(b)
+            if origin is None or all(o is None for o in origin):
+                continue
+            self._main_touch(w.name)
+            rows = [_bytes(p[b]).clone() for p in w.pools]
+            scales = [s[b].clone() for s in w.scales] if self.layout.fp8 and self.layout.scale == "per-block" else []
+            out[b] = (0, rows, scales, list(origin))
+        return out
 
     def _on_restart(self, ev: Restart, line: int) -> None:
         w = self._workers.get(ev.worker)
@@ -1293,36 +1891,56 @@ class TorchBackend:
             return
         self._before_modify(w, range(w.nblocks), line)
         for pool in w.pools:
-            pool.fill_(float("nan"))
+            _poison_(pool, self.layout.fp8)
+        if self.layout.fp8 and self.layout.scale == "per-block":
+            for s in w.scales:
+                s.fill_(float("nan"))
         self._clock += 1
         w.restart_stamp = self._clock
         w.restart_line = line
         w.stamp.clear()
+        w.mod.clear()
         w.last_write.clear()
+        w.origin.clear()
+        w.stash.clear()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as bytes (index_select / index_copy_ / index_fill_ have no fp8 kernels on CPU)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+def _poison_(t: torch.Tensor, fp8: bool) -> None:
+    if fp8:
+        t.view(torch.uint8).fill_(0x7F)
+    else:
+        t.fill_(float("nan"))
 
 
 def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int],
-                 dheads: tuple[int, int] | None, sheads: tuple[int, int] | None) -> None:
-    """dst[dst_ids[i], :, :, dheads] = src[src_ids[i], :, :, sheads] for each i."""
+                 dl: tuple[int, int], sl: tuple[int, int], heads: tuple | None,
+                 slots: tuple[int, int] | None) -> None:
+    """dst[dst_ids[i], dl, :, dheads, slots] = src[src_ids[i], sl, :, sheads, slots] for each i."""
+    whole_layers = dl == (0, dst.shape[1]) and sl == (0, src.shape[1])
+    full = whole_layers and heads is None and slots is None
     runs: list[list[int]] = []
     for d, s in zip(dst_ids, src_ids):
         if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
             runs[-1][2] += 1
         else:
             runs.append([d, s, 1])
-    if len(runs) <= 16 or len(set(dst_ids)) != len(dst_ids):
-        for d, s, n in runs:
-            if dheads is None:
-                dst[d: d + n].copy_(src[s: s + n])
-            else:
-                dst[d: d + n, :, :, dheads[0]: dheads[1]].copy_(src[s: s + n, :, :, sheads[0]: sheads[1]])
+    if full and len(runs) > 16 and len(set(dst_ids)) == len(dst_ids):
+        di = torch.tensor(dst_ids, device=dst.device, dtype=torch.int64)
+        si = torch.tensor(src_ids, device=src.device, dtype=torch.int64)
+        _bytes(dst).index_copy_(0, di, _bytes(src).index_select(0, si))
         return
-    di = torch.tensor(dst_ids, device=dst.device, dtype=torch.int64)
-    si = torch.tensor(src_ids, device=src.device, dtype=torch.int64)
-    if dheads is None:
-        dst.index_copy_(0, di, src.index_select(0, si))
-    else:
-        dst[di, :, :, dheads[0]: dheads[1]] = src.index_select(0, si)[:, :, :, sheads[0]: sheads[1]]
+    (dj0, dj1), (si0, si1) = heads if heads is not None else ((0, dst.shape[3]), (0, src.shape[3]))
+    t0, t1 = slots if slots is not None else (0, dst.shape[4])
+    for d, s, n in runs:
+        if full:
+            dst[d: d + n].copy_(src[s: s + n])
+        else:
+            dst[d: d + n, dl[0]: dl[1], :, dj0:dj1, t0:t1].copy_(src[s: s + n, sl[0]: sl[1], :, si0:si1, t0:t1])
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -1356,6 +1974,7 @@ _DISPATCH: dict[type, Callable[[TorchBackend, Any, int], None]] = {
     PrefillStart: TorchBackend._on_prefill_start,
     PrefillDone: TorchBackend._on_prefill_done,
     Alloc: TorchBackend._on_alloc,
+    Share: TorchBackend._on_share,
     TransferStart: TorchBackend._on_transfer_start,
     TransferReadDone: TorchBackend._on_transfer_read_done,
     TransferWriteDone: TorchBackend._on_transfer_write_done,
