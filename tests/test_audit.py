@@ -42,6 +42,40 @@ def test_example_gives_its_documented_result(path, capsys):
     assert set(out) >= {"ok", "events", "violations"}
 
 
+def test_examples_say_what_replay_adds():
+    """Every header has replay_expect: kv-corruption lines inside the history,
+    after the audit's first violation (the bug comes first, the damage later),
+    and none for a clean example."""
+    for path in EXAMPLE_FILES:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+        header = json.loads(lines[0])
+        replay = header["replay_expect"]
+        assert all(set(r) == {"invariant", "line"} and r["invariant"] == "kv-corruption" for r in replay), path
+        assert all(2 <= r["line"] <= len(lines) for r in replay), path
+        if not header["expect"]:
+            assert replay == [], path
+        elif replay:
+            assert min(r["line"] for r in replay) >= min(v["line"] for v in header["expect"]), path
+
+
+def test_format_1_1_examples_cover_every_feature():
+    """Clean and violating examples for the features of format 1.1; a version
+    1 example declares none."""
+    used: dict[str, set[bool]] = {}
+    for path in EXAMPLE_FILES:
+        with open(path, encoding="utf-8") as fh:
+            header = json.loads(fh.readline())
+        if header["version"] == 1:
+            assert "features" not in header and "kv" not in header, path
+            continue
+        assert header["version"] == "1.1"
+        for feature in header["features"]:
+            used.setdefault(feature, set()).add(not header["expect"])
+    assert used["share"] == {True, False} and used["ranges"] == {True, False}
+    assert {"kv", "parallel"} <= set(used)
+
+
 def test_examples_are_up_to_date(tmp_path, monkeypatch):
     import make_examples
 

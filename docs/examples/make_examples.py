@@ -4,7 +4,15 @@ Each example is a list of labelled events plus, by hand, what ``pdproto
 audit`` must report: for every expected violation its invariant, the label
 of the event that makes it certain, and the labels of its witness lines.
 The expectation goes into the header under the extra key ``"expect"``, and
-tests/test_examples.py checks that the audit agrees.
+tests/test_audit.py checks that the audit agrees.
+
+The header's extra key ``"replay_expect"`` lists, as ``{"invariant":
+"kv-corruption", "line": N}``, what ``pdproto replay`` reports on top of the
+audit: the lines where the bug becomes wrong bytes that a commit, a decode, a
+final check or the end of the history reads (empty when the data is fine).
+
+Format 1.1 examples (shared prefixes, chunked and layer-wise transfers, fp8,
+MLA, per-worker TP) declare the features they use; the others are version 1.
 
 Run ``python docs/examples/make_examples.py`` after changing an example.
 """
@@ -25,9 +33,11 @@ from pdproto import (  # noqa: E402
     Finish,
     Free,
     HistoryHeader,
+    KVSpec,
     PrefillDone,
     PrefillStart,
     Reserve,
+    Share,
     Submit,
     TransferAbort,
     TransferFailed,
@@ -84,6 +94,163 @@ def pull_handoff(r="r1", gen=0):
     ]
 
 
+# -- format 1.1 ------------------------------------------------------------
+
+#: the KV layout of the examples that need one: 2 layers, 4 positions a block
+KV = KVSpec(layers=2, block_size=4)
+
+
+def handoff_start(r, first, prompt, p_blocks, d_blocks, max_new=3):
+    """submit, reserve, prefill_start and prefill_done of a push handoff."""
+    return [
+        (f"{r}_submit", Submit(r, 0, prompt_len=prompt, max_new_tokens=max_new)),
+        (f"{r}_reserve", Reserve(r, 0, f"t-{r}", "D0", d_blocks)),
+        (f"{r}_prefill_start", PrefillStart(r, 0, "P0", p_blocks)),
+        (f"{r}_prefill_done", PrefillDone(r, 0, "P0", first_token=first, processed_len=prompt)),
+    ]
+
+
+def shared_prefix_start():
+    """r1 prefills a 6-token prompt in P0 blocks [0, 1]; r2, whose prompt has
+    the same first 4 tokens, hits the prefix cache: it shares block 0 and
+    prefills only positions [4, 6) into block 2."""
+    return handoff_start("r1", 101, 6, (0, 1), (0, 1)) + [
+        ("r2_submit", Submit("r2", 0, prompt_len=6, max_new_tokens=2)),
+        ("r2_reserve", Reserve("r2", 0, "t-r2", "D0", (2, 3))),
+        ("r2_share", Share("r2", 0, "P0", (0,), tokens=4)),
+        ("r2_prefill_start", PrefillStart("r2", 0, "P0", (2,))),
+        ("r2_prefill_done", PrefillDone("r2", 0, "P0", first_token=201, processed_len=2)),
+    ]
+
+
+def clean_shared_prefix():
+    """Both requests hand off; each frees its own reference to the shared block
+    0, which returns to the pool with the second free."""
+    return shared_prefix_start() + [
+        ("x1_start", TransferStart("x1", "t-r1", "r1", 0, "P0", (0, 1), "D0", (0, 1))),
+        ("x1_read_done", TransferReadDone("x1")),
+        ("r1_free_p", Free("P0", (0, 1), request="r1", gen=0)),
+        ("x2_start", TransferStart("x2", "t-r2", "r2", 0, "P0", (0, 2), "D0", (2, 3))),
+        ("x2_read_done", TransferReadDone("x2")),
+        ("r2_free_p", Free("P0", (0, 2), request="r2", gen=0)),
+        ("x1_write_done", TransferWriteDone("x1")),
+        ("r1_commit", Commit("r1", 0, "t-r1", "D0")),
+        ("x2_write_done", TransferWriteDone("x2")),
+        ("r2_commit", Commit("r2", 0, "t-r2", "D0")),
+        ("r1_decode", Decode("r1", 0, "D0", position=6, input_token=101, output_token=102, blocks=(0, 1))),
+        ("r2_decode", Decode("r2", 0, "D0", position=6, input_token=201, output_token=202, blocks=(2, 3))),
+        ("r1_finish", Finish("r1", 0, reason="stop")),
+        ("r1_free_d", Free("D0", (0, 1), request="r1", gen=0)),
+        ("r2_finish", Finish("r2", 0, reason="length")),
+        ("r2_free_d", Free("D0", (2, 3), request="r2", gen=0)),
+    ]
+
+
+def shared_prefix_freed_early():
+    """r1 is cancelled and its free drops its reference to the shared block 0;
+    the allocator, ignoring r2's reference, hands block 0 to r3, whose prefill
+    overwrites it while r2's transfer has yet to read it."""
+    return shared_prefix_start() + [
+        ("x2_start", TransferStart("x2", "t-r2", "r2", 0, "P0", (0, 2), "D0", (2, 3))),
+        ("r1_cancel", Cancel("r1", 0, reason="client")),
+        ("r1_free_p", Free("P0", (0, 1), request="r1", gen=0)),
+        ("r1_free_d", Free("D0", (0, 1), request="r1", gen=0)),
+        ("r3_submit", Submit("r3", 0, prompt_len=4, max_new_tokens=2)),
+        ("r3_reserve", Reserve("r3", 0, "t-r3", "D0", (4,))),
+        ("r3_prefill_start", PrefillStart("r3", 0, "P0", (0,))),
+        ("r3_prefill_done", PrefillDone("r3", 0, "P0", first_token=301, processed_len=4)),
+        ("x2_read_done", TransferReadDone("x2")),
+        ("x2_write_done", TransferWriteDone("x2")),
+        ("r2_commit", Commit("r2", 0, "t-r2", "D0")),
+    ]
+
+
+def shared_prefix_written():
+    """D0 serves r1; r2 hits D0's prefix cache on block 0, but P pushes r2's
+    whole prompt, block 0 included, into the shared block."""
+    return handoff_start("r1", 101, 6, (0, 1), (0, 1)) + [
+        ("x1_start", TransferStart("x1", "t-r1", "r1", 0, "P0", (0, 1), "D0", (0, 1))),
+        ("x1_read_done", TransferReadDone("x1")),
+        ("x1_write_done", TransferWriteDone("x1")),
+        ("r1_commit", Commit("r1", 0, "t-r1", "D0")),
+        ("r1_decode1", Decode("r1", 0, "D0", position=6, input_token=101, output_token=102, blocks=(0, 1))),
+        ("r2_submit", Submit("r2", 0, prompt_len=6, max_new_tokens=2)),
+        ("r2_share", Share("r2", 0, "D0", (0,), tokens=4)),
+        ("r2_reserve", Reserve("r2", 0, "t-r2", "D0", (3,))),
+        ("r2_prefill_start", PrefillStart("r2", 0, "P0", (2, 3))),
+        ("r2_prefill_done", PrefillDone("r2", 0, "P0", first_token=201, processed_len=6)),
+        ("x2_start", TransferStart("x2", "t-r2", "r2", 0, "P0", (2, 3), "D0", (0, 3))),
+        ("x2_read_done", TransferReadDone("x2")),
+        ("x2_write_done", TransferWriteDone("x2")),
+        ("r1_decode2", Decode("r1", 0, "D0", position=7, input_token=102, output_token=103, blocks=(0, 1))),
+    ]
+
+
+def chunked(commit_early=False):
+    """A 10-token prompt (3 blocks of 4, the last one partial) moved in two
+    chunks under one ticket: positions [0, 6) from blocks [0, 1], then [6, 10)
+    from blocks [1, 2]; block 1 is split between the chunks at slot 2.  With
+    ``commit_early``, D commits (and decodes) after the first chunk landed."""
+    return _two_parts(
+        handoff_start("r1", 101, 10, (0, 1, 2), (0, 1, 2)),
+        TransferStart("x1", "t-r1", "r1", 0, "P0", (0, 1), "D0", (0, 1), tokens=(0, 6)),
+        TransferStart("x2", "t-r1", "r1", 0, "P0", (1, 2), "D0", (1, 2), tokens=(6, 10)),
+        (0, 1, 2), (0, 1, 2), 10, commit_early,
+    )
+
+
+def layerwise(commit_early=False):
+    """An 8-token prompt (2 full blocks; D reserves a third for the decode)
+    moved layer by layer under one ticket: layer 0, then layer 1.  With
+    ``commit_early``, D commits (and decodes) after layer 0 landed."""
+    return _two_parts(
+        handoff_start("r1", 101, 8, (0, 1), (0, 1, 2)),
+        TransferStart("x1", "t-r1", "r1", 0, "P0", (0, 1), "D0", (0, 1), layers=(0, 1)),
+        TransferStart("x2", "t-r1", "r1", 0, "P0", (0, 1), "D0", (0, 1), layers=(1, 2)),
+        (0, 1), (0, 1, 2), 8, commit_early,
+    )
+
+
+def _two_parts(start, x1, x2, p_blocks, blocks, prompt, commit_early):
+    commit = ("commit", Commit("r1", 0, "t-r1", "D0"))
+    decode1 = ("decode1", Decode("r1", 0, "D0", position=prompt, input_token=101, output_token=102, blocks=blocks))
+    early = [commit, decode1] if commit_early else []
+    late = [] if commit_early else [commit, decode1]
+    return start + [
+        ("x1_start", x1),
+        ("x2_start", x2),
+        ("x1_read_done", TransferReadDone("x1")),
+        ("x1_write_done", TransferWriteDone("x1")),
+        *early,
+        ("x2_read_done", TransferReadDone("x2")),
+        ("free_p", Free("P0", p_blocks, request="r1", gen=0)),
+        ("x2_write_done", TransferWriteDone("x2")),
+        *late,
+        ("decode2", Decode("r1", 0, "D0", position=prompt + 1, input_token=102, output_token=103, blocks=blocks)),
+        ("finish", Finish("r1", 0, reason="length")),
+        ("free_d", Free("D0", blocks, request="r1", gen=0)),
+    ]
+
+
+def split_transfer():
+    """Version 1: one ticket, two transfers, each moving one of the two blocks
+    (the held-out replay case of issue 10).  Clean."""
+    return replace(
+        replace(
+            push_handoff(),
+            "transfer_start",
+            ("transfer_start", TransferStart("x-a", "t-r1-0", "r1", 0, "P0", (0,), "D0", (0,))),
+            ("transfer_start_b", TransferStart("x-b", "t-r1-0", "r1", 0, "P0", (1,), "D0", (1,))),
+        ),
+        "read_done",
+        ("read_done", TransferReadDone("x-a")),
+        ("read_done_b", TransferReadDone("x-b")),
+    )[:-6] + [
+        ("write_done", TransferWriteDone("x-a")),
+        ("write_done_b", TransferWriteDone("x-b")),
+    ] + push_handoff()[8:]
+
+
 def replace(events, label, *new):
     """``events`` with the entry ``label`` replaced by ``new`` entries."""
     out = []
@@ -130,8 +297,10 @@ def retry_after_failure():
     return first + [(f"g1_{label}", ev) for label, ev in push_handoff(gen=1, p_blocks=(2, 3), d_blocks=(2, 3))]
 
 
-# name -> (description, policy, complete, labelled events, expected violations)
-# an expected violation is (invariant, label of the event, [witness labels])
+# name -> (description, policy, complete, labelled events, expected violations[, options])
+# an expected violation is (invariant, label of the event, [witness labels]); the
+# options (format 1.1 and replay) are those of write_example: features, kv,
+# workers, and replay: the labels of the lines where replay finds kv-corruption
 EXAMPLES = {
     "clean-push": ("A clean reserve-first (push) handoff.", "push", True, push_handoff(), []),
     "clean-pull": ("A clean prefill-first (pull) handoff.", "pull", True, pull_handoff(), []),
@@ -295,10 +464,85 @@ EXAMPLES = {
         push_handoff()[:5] + [("read_done", TransferReadDone("x-r1-0")), ("free_p", Free("P0", (0, 1), request="r1", gen=0))],
         [("leak", END, ["transfer_start"]), ("stuck", END, ["submit"])],
     ),
+    # -- format 1.1 -----------------------------------------------------------
+    "clean-shared-prefix": (
+        "Prefix caching on P: r2 shares r1's prefix block and prefills only the rest; each "
+        "frees its own reference. Clean.",
+        "push", True, clean_shared_prefix(), [], {"features": ["share", "kv"], "kv": KVSpec(block_size=4)},
+    ),
+    "double-allocation-shared-prefix": (
+        "The shared prefix freed early: r1's cancel frees the block r2 shares, the allocator "
+        "hands it to r3, whose prefill overwrites the prefix r2 then transfers.",
+        "push", False, shared_prefix_freed_early(),
+        [("double-allocation", "r3_prefill_start", ["r2_share"])],
+        {"features": ["share", "kv"], "kv": KVSpec(block_size=4), "replay": ["r2_commit"]},
+    ),
+    "foreign-block-access-shared-prefix": (
+        "Prefix caching on D: r2 shares r1's prefix block there, but P pushes r2's whole prompt, "
+        "writing over the shared prefix r1 is decoding from (vllm-project/vllm#48758).",
+        "push", False, shared_prefix_written(),
+        [("foreign-block-access", "x2_start", ["r2_share"])],
+        {"features": ["share", "kv"], "kv": KVSpec(block_size=4), "replay": ["r1_decode2"]},
+    ),
+    "clean-chunked-transfer": (
+        "A chunked transfer: two token ranges under one ticket, split inside a block, the last "
+        "block partial. Clean.",
+        "push", True, chunked(), [], {"features": ["ranges", "kv"], "kv": KV},
+    ),
+    "commit-before-ready-chunk": (
+        "D commits after the first chunk landed and decodes before the second "
+        "(sgl-project/sglang#30233, vllm-project/vllm#50754).",
+        "push", True, chunked(commit_early=True),
+        [("commit-before-ready", "commit", ["r1_reserve", "x1_start", "x2_start"])],
+        {"features": ["ranges", "kv"], "kv": KV, "replay": ["decode1"]},
+    ),
+    "clean-layerwise-transfer": (
+        "A layer-wise transfer: one transfer per layer under one ticket. Clean.",
+        "push", True, layerwise(), [], {"features": ["ranges", "kv"], "kv": KV},
+    ),
+    "commit-before-ready-layer": (
+        "D commits after layer 0 landed and decodes before layer 1 did.",
+        "push", True, layerwise(commit_early=True),
+        [("commit-before-ready", "commit", ["r1_reserve", "x1_start", "x2_start"])],
+        {"features": ["ranges", "kv"], "kv": KV, "replay": ["decode1"]},
+    ),
+    "clean-fp8-kv": (
+        "A clean handoff of fp8 (e4m3) KV with one scale per block.",
+        "push", True, push_handoff(), [],
+        {"features": ["kv"], "kv": KVSpec(layers=2, kv_heads=4, head_dim=8, block_size=4,
+                                          dtype="float8_e4m3fn", scale="per-block")},
+    ),
+    "clean-mla-kv": (
+        "A clean handoff of MLA KV (one latent vector per token and layer, no heads), replicated "
+        "on both TP ranks of D.",
+        "push", True, push_handoff(), [],
+        {"features": ["kv", "parallel"], "kv": KVSpec(layers=2, head_dim=8, block_size=4, layout="mla"),
+         "workers": {"P0": WorkerSpec("prefill", 8, tp=1), "D0": WorkerSpec("decode", 8, tp=2)}},
+    ),
+    "clean-per-worker-tp": (
+        "A clean handoff from a prefill worker with 2 TP ranks to a decode worker with 1.",
+        "push", True, push_handoff(), [],
+        {"features": ["parallel"],
+         "workers": {"P0": WorkerSpec("prefill", 8, tp=2), "D0": WorkerSpec("decode", 8, tp=1)}},
+    ),
+    "clean-split-transfer": (
+        "Version 1: one ticket, two transfers each moving part of the blocks. Clean.",
+        "push", True, split_transfer(), [],
+    ),
+}
+
+#: what replay reports on the version 1 examples (labels of kv-corruption lines)
+V1_REPLAY = {
+    "commit-before-ready": ["commit"],
+    "decode-continuity": ["decode2", "decode2"],
+    "early-source-free": [END],
+    "early-target-reuse": [END],
+    "first-token-boundary": [END],
+    "foreign-block-access": ["decode1"],
 }
 
 
-def write_example(name, description, policy, complete, events, expect):
+def write_example(name, description, policy, complete, events, expect, options=None):
     lines = {"<header>": 1}
     for i, (label, _) in enumerate(events):
         assert label not in lines, f"{name}: duplicate label {label}"
@@ -308,11 +552,19 @@ def write_example(name, description, policy, complete, events, expect):
         {"invariant": inv, "line": lines[at], "witness": sorted(lines[w] for w in witness)}
         for inv, at, witness in expect
     ]
+    options = options or {}
+    replay = options.get("replay", V1_REPLAY.get(name, []))
     header = HistoryHeader(
         policy=policy,
         complete=complete,
-        workers=WORKERS,
-        extra={"description": description, "expect": expected},
+        workers=options.get("workers", WORKERS),
+        extra={
+            "description": description,
+            "expect": expected,
+            "replay_expect": [{"invariant": "kv-corruption", "line": lines[at]} for at in replay],
+        },
+        features=options.get("features", ()),
+        kv=options.get("kv"),
     )
     path = os.path.join(HERE, f"{name}.jsonl")
     with open(path, "w", encoding="utf-8") as fh:
