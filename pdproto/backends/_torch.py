@@ -12,8 +12,9 @@ are reported as :class:`KVCorruption` (a :class:`~pdproto.Violation` whose
 invariant is ``"kv-corruption"``).
 
 Layout.  A worker holds one tensor per *part* (stage ``s`` of ``pp``, rank
-``r`` of ``tp``), shaped ``[blocks, stage layers, K/V (2, or 1 for MLA),
-local KV heads (1 for MLA), block_size, head_dim]``.  The prompt token at
+``r`` of ``tp``), shaped ``[blocks, block_size, stage layers, K/V (2, or 1
+for MLA), local KV heads (1 for MLA), head_dim]`` (slot-major, like a
+flash-attention paged cache).  The prompt token at
 position ``p`` of a generation lives in its block table at index
 ``p // block_size``, slot ``p % block_size``; a generation's table on a worker
 is its shared blocks (``share``) followed by the blocks it allocated there.
@@ -62,8 +63,10 @@ decode or prefill names beyond its block table are reported, never allocated.
 
 from __future__ import annotations
 
+import array
 import copy as _copy
 import importlib
+import struct
 import math
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -319,7 +322,7 @@ class _Worker:
 
     __slots__ = ("name", "role", "tp", "pp", "heads", "parts", "pools", "scales", "nblocks", "cap",
                  "stamp", "mod", "restart_stamp", "restart_line", "last_write", "origin", "stash",
-                 "static_scale")
+                 "static_scale", "lastw")
 
     def __init__(self, name: str, role: str, tp: int, pp: int, parts: list[tuple[int, int, tuple[int, ...]]],
                  heads: list[list[int]], cap: int | None) -> None:
@@ -341,6 +344,7 @@ class _Worker:
         self.origin: dict[int, list[int | None]] = {}  # block -> origin tag of each slot's prompt KV
         self.stash: dict[int, tuple] = {}  # freed block -> (stamp, rows, scale rows, origin)
         self.static_scale = 1.0
+        self.lastw: dict[int, tuple] = {}  # block -> (slot, (tag, position, code), values per part) of a 1-slot write
 
     def copy(self) -> "_Worker":
         n = object.__new__(_Worker)
@@ -353,6 +357,7 @@ class _Worker:
         n.last_write = dict(self.last_write)
         n.origin = {b: list(o) for b, o in self.origin.items()}
         n.stash = dict(self.stash)
+        n.lastw = dict(self.lastw)
         return n
 
 
@@ -546,10 +551,15 @@ class TorchBackend:
         self._reported: set[tuple] = set()
         self._staging: dict[tuple, list[torch.Tensor]] = {}  # free staging buffers by row shape
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._vdtype = torch.float32 if L.fp8 else L.torch_dtype  # the dtype values are made in
+        self._qcache: dict[tuple, torch.Tensor] = {}
         self._qf = self._make_q()
         radix, half, div = L.encoding
         self._radix, self._half, self._div = radix, half, float(div)
         self._mults = [(_mix_py(d, 0x77) | 1) for d in range(L.head_dim - _CODE_DIMS)]
+        # the bits of every value a row holds: codes 0..R, then hashed k / S for k in 0..A
+        values = [float(c) for c in range(radix + 1)] + [k / div for k in range(half + 1)]
+        self._acode, self._enc = _bit_table(values, self._vdtype)
         self._probe_tag = self._tag_of(_PROBE)
 
     # -- public --------------------------------------------------------------
@@ -680,8 +690,7 @@ class TorchBackend:
         g = self._gens[(request, gen)]
         code = _PROMPT if token is None else (token + 1) & _M32
         L = self.layout
-        v = self._values([g.tag], position, [code], (0, L.layers, tuple(range(L.kv_heads))))[:, :, :, 0]
-        return v if L.fp8 else v.to(L.torch_dtype)
+        return self._values([g.tag], position, [code], (0, L.layers, tuple(range(L.kv_heads))))[0]
 
     # -- memory --------------------------------------------------------------
 
@@ -793,7 +802,7 @@ class TorchBackend:
         self._main_touch(w.name)
         new, scales = [], []
         for i, (l0, l1, hs) in enumerate(w.parts):
-            shape = (nblocks, l1 - l0, L.kv, len(hs), L.block_size, L.head_dim)
+            shape = (nblocks, L.block_size, l1 - l0, L.kv, len(hs), L.head_dim)
             if L.fp8:
                 t = torch.full(shape, 0x7F, dtype=torch.uint8, device=self.device).view(L.torch_dtype)
             else:
@@ -803,13 +812,13 @@ class TorchBackend:
             new.append(t)
             if L.fp8:
                 if L.scale == "per-block":
-                    s = torch.full((nblocks, l1 - l0, L.kv, 1, 1, 1), float("nan"), device=self.device)
+                    s = torch.full((nblocks, 1, l1 - l0, L.kv, 1, 1), float("nan"), device=self.device)
                     if w.scales:
                         s[: w.nblocks].copy_(w.scales[i])
                 elif w.scales:
                     s = w.scales[i]
                 else:
-                    s = torch.full((1, l1 - l0, L.kv, len(hs) if L.scale == "per-head" else 1, 1, 1),
+                    s = torch.full((1, 1, l1 - l0, L.kv, len(hs) if L.scale == "per-head" else 1, 1),
                                    self._static_scale(w), device=self.device)
                 scales.append(s)
         w.pools = new
@@ -862,8 +871,16 @@ class TorchBackend:
 
     # -- values --------------------------------------------------------------
 
+    def _qpart(self, l0: int, l1: int, hs: Sequence[int]) -> torch.Tensor:
+        """The position-independent values of layers ``l0..l1`` and heads ``hs`` (contiguous)."""
+        key = (l0, l1, hs[0], hs[-1])
+        q = self._qcache.get(key)
+        if q is None:
+            q = self._qcache[key] = self._qf[:, l0:l1, :, hs[0]: hs[-1] + 1]
+        return q
+
     def _make_q(self) -> torch.Tensor:
-        """The position-independent part of every value, float32 ``[L, K/V, H, 1, D]``:
+        """The position-independent part of every value, ``[1, L, K/V, H, D]``:
         dims 0-2 zero, dim 3 the head code, hashed dims ``(q - A) / S``."""
         L = self.layout
         radix, half, div = L.encoding
@@ -875,10 +892,11 @@ class TorchBackend:
         d = torch.arange(nh, device=dev, dtype=torch.int64).view(1, 1, 1, -1)
         x = _mix(l * 1_000_003 + k * 7_919 + h * 104_729 + d * 15_485_863 + 12_345)
         x = _mix(x ^ (d * 0x3C6EF372))
-        q = torch.zeros((L.layers, L.kv, L.kv_heads, 1, L.head_dim), dtype=torch.float32, device=dev)
-        q[:, :, :, 0, _CODE_DIMS:] = ((x % (half + 1)) - half).to(torch.float32) / div
-        q[:, :, :, 0, 3] = (torch.arange(L.kv_heads, device=dev) % radix + 1).to(torch.float32).view(1, 1, -1)
-        return q
+        q = torch.zeros((1, L.layers, L.kv, L.kv_heads, L.head_dim), dtype=torch.float32, device=dev)
+        q[0, :, :, :, _CODE_DIMS:] = ((x % (half + 1)) - half).to(torch.float32) / div
+        q[0, :, :, :, 3] = (torch.arange(L.kv_heads, device=dev) % radix + 1).to(torch.float32).view(1, 1, -1)
+        # exact in every wide dtype, and so is every sum with a row (see _ENCODING)
+        return q.to(self._vdtype)
 
     def _tag_of(self, key: tuple[str, int]) -> int:
         g = self._gens.get(key)
@@ -897,31 +915,35 @@ class TorchBackend:
         return g
 
     def _rows(self, tags: Sequence[int], start: int, codes: Sequence[int]) -> torch.Tensor:
-        """The position-dependent part, float32 ``[T, D]``: dims 0-2 the tag
+        """The position-dependent part, ``[T, 1, 1, 1, D]``: dims 0-2 the tag
         and position codes, dim 3 zero, hashed dims ``k / S`` (k in 0..A)."""
-        radix, half, div = self._radix, self._half, self._div
+        radix = self._radix
         mults = self._mults
+        enc = self._enc  # value code -> its bits in the value dtype
         one = len(tags) == 1
-        rows = []
-        mod = half + 1
+        buf = array.array(self._acode)
+        mod = self._half + 1
         for i, code in enumerate(codes):
             tag = tags[0] if one else tags[i]
             p = start + i
-            x = _mix_py(tag, p, code)
-            row = [1.0 + tag % radix, 1.0 + (tag // radix) % radix, 1.0 + p % radix, 0.0]
-            row += [(((x * m) & _M32) >> 20) % mod / div for m in mults]
-            rows.append(row)
-        return torch.tensor(rows, dtype=torch.float32, device=self.device)
+            x = (tag * 0x9E3779B1 + p * 0x85EBCA77 + (code & _M32) * 0xC2B2AE3D + 0x51ED) & _M32
+            x = (((x >> 16) ^ x) * _MUL) & _M32
+            x = (((x >> 16) ^ x) * _MUL) & _M32
+            x = (x >> 16) ^ x
+            buf.extend((enc[1 + tag % radix], enc[1 + (tag // radix) % radix], enc[1 + p % radix], enc[0]))
+            buf.extend([enc[radix + 1 + (((x * m) & _M32) >> 20) % mod] for m in mults])
+        out = torch.frombuffer(buf, dtype=self._vdtype).view(len(codes), 1, 1, 1, self.layout.head_dim)
+        return out if not self.cuda else out.to(self.device, non_blocking=False)
 
     def _values(self, tags: Sequence[int], start: int, codes: Sequence[int],
                 part: tuple[int, int, tuple[int, ...]], layers: tuple[int, int] | None = None) -> torch.Tensor:
-        """Float32 KV of positions ``start ..`` (a tag and token code per
-        position, or one tag for all) for one part: ``[layers, K/V, heads, T, D]``."""
+        """KV of positions ``start ..`` (a tag and token code per position, or
+        one tag for all) for one part: ``[T, layers, K/V, heads, D]``, in the
+        pool dtype (fp8: float32, before quantization)."""
         l0, l1, hs = part
         if layers is not None:
             l0, l1 = max(l0, layers[0]), min(l1, layers[1])
-        q = self._qf[l0:l1, :, hs[0]: hs[-1] + 1]  # a rank's heads are contiguous
-        return q + self._rows(tags, start, codes)
+        return self._qpart(l0, l1, hs) + self._rows(tags, start, codes)
 
     def _static_scale(self, w: _Worker) -> float:
         return w.static_scale
@@ -931,7 +953,7 @@ class TorchBackend:
         pool = w.pools[i]
         L = self.layout
         if not L.fp8:
-            pool[blk, :, :, :, s0:s1] = vals
+            pool[blk, s0:s1] = vals
             return
         scales = w.scales[i]
         if L.scale == "per-block":
@@ -942,7 +964,7 @@ class TorchBackend:
         else:
             s = scales[0]
         q, _ = self._quant.quantize(vals, L.dtype, scale=s)
-        pool[blk, :, :, :, s0:s1] = q
+        pool[blk, s0:s1] = q
 
     def _write_positions(self, w: _Worker, table: Sequence[int], tags: Sequence[int], start: int,
                          codes: Sequence[int], line: int) -> None:
@@ -972,18 +994,32 @@ class TorchBackend:
             c1 = min(c0 + chunk, spans[-1][2])
             t = tags if one else tags[c0 - start: c1 - start]
             rows = self._rows(t, c0, codes[c0 - start: c1 - start])
+            last = []
+            inner = [(blk, p0, p1) for blk, p0, p1 in spans if p0 >= c0 and p1 <= c1]
+            full = [blk for blk, p0, p1 in inner if p1 - p0 == bs]
+            batch = not L.fp8 and len(full) >= 3 and len(set(full)) == len(full) and len(full) == len(inner) - (inner[0][2] - inner[0][1] != bs) - (
+                len(inner) > 1 and inner[-1][2] - inner[-1][1] != bs)
             for i, (l0, l1, hs) in enumerate(w.parts):
-                vals = self._qf[l0:l1, :, hs[0]: hs[-1] + 1] + rows
-                if not L.fp8:
-                    vals = vals.to(L.torch_dtype)
+                vals = self._qpart(l0, l1, hs) + rows
+                last.append(vals)
+                if batch:  # the whole blocks in one index_copy_
+                    fb = [(blk, p0) for blk, p0, p1 in inner if p1 - p0 == bs]
+                    e0 = fb[0][1] - c0
+                    idx = torch.frombuffer(array.array("q", [b for b, _ in fb]), dtype=torch.int64)
+                    if self.cuda:
+                        idx = idx.to(self.device)
+                    w.pools[i].index_copy_(0, idx, vals[e0: e0 + len(fb) * bs].view(len(fb), bs, *vals.shape[1:]))
                 for blk, p0, p1 in spans:
                     a, b = max(p0, c0), min(p1, c1)
-                    if a < b:
-                        self._store(w, i, blk, a % bs, a % bs + (b - a), vals[:, :, :, a - c0: b - c0], tag0)
+                    if a < b and not (batch and b - a == bs):
+                        self._store(w, i, blk, a % bs, a % bs + (b - a),
+                                    vals if (a == c0 and b == c1) else vals[a - c0: b - c0], tag0)
         if len(spans) == 1:
             self._touch(w, blocks, line, start % bs, (end - 1) % bs + 1 if end <= (start // bs + 1) * bs else bs)
         else:
             self._touch(w, blocks, line)
+        if len(codes) == 1 and not L.fp8:
+            w.lastw[blocks[0]] = (start % bs, (tag0, start, codes[0]), last)
         if self._shares:
             for blk, p0, p1 in spans:
                 o = w.origin.setdefault(blk, [None] * bs)
@@ -997,8 +1033,10 @@ class TorchBackend:
         self._before_modify(w, blocks, line)
         L = self.layout
         full = lo == 0 and (hi is None or hi >= L.block_size)
+        for b in blocks:
+            w.lastw.pop(b, None)
         for i, pool in enumerate(w.pools):
-            if full and len(blocks) > 1:
+            if full and len(blocks) > 4:
                 idx = torch.tensor(blocks, device=self.device, dtype=torch.int64)
                 if L.fp8:
                     pool.view(torch.uint8).index_fill_(0, idx, 0x7F)
@@ -1006,7 +1044,7 @@ class TorchBackend:
                     pool.index_fill_(0, idx, float("nan"))
             else:
                 for b in blocks:
-                    _poison_(pool[b] if full else pool[b, :, :, :, lo:hi], L.fp8)
+                    _poison_(pool[b] if full else pool[b, lo:hi], L.fp8)
             if L.fp8 and L.scale == "per-block" and full:
                 for b in blocks:
                     w.scales[i][b].fill_(float("nan"))
@@ -1236,7 +1274,7 @@ class TorchBackend:
                         moved[0] += (b - a) * cnt
                     if per_block:
                         for d, s in [(d, s) for d, s in full_ids] + [(d, s) for d, s, _, _ in part_ids]:
-                            dst.scales[di][d, dl[0]: dl[1]].copy_(ssc[pi][s, sl[0]: sl[1]])
+                            dst.scales[di][d, :, dl[0]: dl[1]].copy_(ssc[pi][s, :, sl[0]: sl[1]])
 
         self._side(copy, [t.src, t.dst])
         slots = sum(m[5] - m[4] for m in moves)
@@ -1338,16 +1376,13 @@ class TorchBackend:
         """Does part ``i`` of block ``blk``, slots ``s0..s1``, hold ``exp`` (float32)?"""
         pool = w.pools[i]
         L = self.layout
-        if layers is None:
-            act = pool[blk, :, :, :, s0:s1]
-        else:
-            act = pool[blk, layers[0]: layers[1], :, :, s0:s1]
+        act = pool[blk][s0:s1] if layers is None else pool[blk, s0:s1, layers[0]: layers[1]]
         self.bytes_verified += act.numel() * L.elem_bytes
         if not L.fp8:
-            return torch.equal(act, exp.to(L.torch_dtype))
+            return torch.equal(act, exp)
         s = w.scales[i][blk] if L.scale == "per-block" else w.scales[i][0]
         if layers is not None:
-            s = s[layers[0]: layers[1]]
+            s = s[:, layers[0]: layers[1]]
         return bool(self._quant.close(self._quant.dequantize(act, s), exp, L.dtype, s).all())
 
     def _verify(self, g: _Gen, worker: str, table: Sequence[int], upto: int, line: int,
@@ -1368,7 +1403,7 @@ class TorchBackend:
         self._worker(worker, need=table[:need_blocks])
         checked = g.checked
         version = self._version
-        synced = False
+        todo = []  # (table index, block, first slot, end slot, version)
         for bi in range(need_blocks):
             blk = table[bi]
             n = min(bs, upto - bi * bs)
@@ -1382,21 +1417,65 @@ class TorchBackend:
                     m = w.mod.get(blk)
                     if m is not None and m[0] == rec[1] and w.stamp.get(blk, 0) == st:
                         lo = min(rec[2], m[1])
-            if lo >= n:
-                continue
-            if not synced:
-                self._main_touch(worker)
-                synced = True
-            p0 = bi * bs
-            tags, codes = self._expect(g, worker, p0 + lo, p0 + n)
-            rows = self._rows(tags, p0 + lo, codes)
-            for i, (l0, l1, hs) in enumerate(w.parts):
-                exp = self._qf[l0:l1, :, hs[0]: hs[-1] + 1] + rows
-                if not self._check(w, i, blk, lo, n, exp):
-                    self._report_wrong(g, w, blk, bi, p0 + lo, n - lo, what, line, witness, transfer, ticket)
-                    return False
+            if lo < n:
+                todo.append((bi, blk, lo, n, st))
+        if not todo:
+            return True
+        self._main_touch(worker)
+        ok = self._check_many(g, w, todo)
+        if ok is not None:
+            bi, blk, lo, n, _st = todo[ok]
+            self._report_wrong(g, w, blk, bi, bi * bs + lo, n - lo, what, line, witness, transfer, ticket)
+            return False
+        for bi, blk, lo, n, st in todo:
             checked[(worker, bi)] = (blk, st, n)
         return True
+
+    def _check_many(self, g: _Gen, w: _Worker, todo: list[tuple[int, int, int, int, int]]) -> int | None:
+        """Check the slots of ``todo`` (see :meth:`_verify`); the index in
+        ``todo`` of the first wrong one, or None."""
+        bs = self.layout.block_size
+        first, last = todo[0], todo[-1]
+        if len(todo) == 1 and first[3] - first[2] == 1:
+            bi, blk, lo, n, _st = first
+            hit = w.lastw.pop(blk, None)
+            if hit is not None:
+                tags, codes = self._expect(g, w.name, bi * bs + lo, bi * bs + n)
+                if hit[0] == lo and hit[1] == (tags[0], bi * bs + lo, codes[0]):
+                    for i in range(len(w.parts)):
+                        if not self._check(w, i, blk, lo, n, hit[2][i]):
+                            return 0
+                    return None
+        p0, p1 = first[0] * bs + first[2], last[0] * bs + last[3]
+        tags, codes = self._expect(g, w.name, p0, p1)
+        rows = self._rows(tags, p0, codes)
+        fp8 = self.layout.fp8
+        for i, (l0, l1, hs) in enumerate(w.parts):
+            exp = self._qpart(l0, l1, hs) + rows
+            # whole blocks at consecutive table indices: one gather, one comparison
+            run = [k for k, (bi, blk, lo, n, _st) in enumerate(todo) if lo == 0 and n == bs]
+            if (not fp8 and len(run) >= 3 and run == list(range(run[0], run[0] + len(run)))
+                    and todo[run[-1]][0] - todo[run[0]][0] == len(run) - 1):
+                ids = [todo[k][1] for k in run]
+                idx = torch.frombuffer(array.array("q", ids), dtype=torch.int64)
+                if self.cuda:
+                    idx = idx.to(self.device)
+                act = w.pools[i].index_select(0, idx)
+                e0 = todo[run[0]][0] * bs - p0
+                want = exp[e0: e0 + len(run) * bs].view(len(run), bs, *exp.shape[1:])
+                self.bytes_verified += act.numel() * act.element_size()
+                if torch.equal(act, want):
+                    rest = [k for k in range(len(todo)) if k not in set(run)]
+                else:
+                    rest = list(range(len(todo)))
+            else:
+                rest = list(range(len(todo)))
+            for k in rest:
+                bi, blk, lo, n, _st = todo[k]
+                e0 = bi * bs + lo - p0
+                if not self._check(w, i, blk, lo, n, exp[e0: e0 + n - lo]):
+                    return k
+        return None
 
     def _verify_slots(self, g: _Gen, worker: str, blk: int, p0: int, s0: int, s1: int,
                       layers: tuple[int, int] | None, line: int, what: str, witness: Iterable[int | None],
@@ -1413,7 +1492,7 @@ class TorchBackend:
             a, b = (l0, l1) if layers is None else (max(l0, layers[0]), min(l1, layers[1]))
             if a >= b:
                 continue
-            exp = self._qf[a:b, :, hs[0]: hs[-1] + 1] + rows
+            exp = self._qpart(a, b, hs) + rows
             if not self._check(w, i, blk, s0, s1, exp, (a - l0, b - l0)):
                 self._report_wrong(g, w, blk, (p0 + s0) // self.layout.block_size, p0 + s0, s1 - s0, what,
                                    line, witness, transfer, ticket)
@@ -1448,26 +1527,25 @@ class TorchBackend:
         rows = self._rows(tags, pstart, codes)
         best = None
         for i, (l0, l1, hs) in enumerate(w.parts):
-            a = w.pools[i][blk, :, :, :, s0: s0 + count]
-            e = self._qf[l0:l1, :, hs[0]: hs[-1] + 1] + rows
+            a = w.pools[i][blk, s0: s0 + count]
+            e = self._qpart(l0, l1, hs) + rows
             if L.fp8:
                 s = w.scales[i][blk] if L.scale == "per-block" else w.scales[i][0]
                 af = self._quant.dequantize(a, s)
                 bad = ~self._quant.close(af, e, L.dtype, s)
             else:
                 af = a
-                bad = ~(a == e.to(L.torch_dtype))  # NaN counts as wrong
+                bad = ~(a == e)  # NaN counts as wrong
             if not bool(bad.any()):
                 continue
-            lt = bad.any(dim=4).any(dim=2).any(dim=1)  # [L, T]
-            ts = lt.any(dim=0).nonzero()
-            t = int(ts[0])
-            layer = int(lt[:, t].nonzero()[0])
-            kh = bad[layer, :, :, t, :].any(dim=2).nonzero()[0]
+            tl = bad.any(dim=4).any(dim=3).any(dim=2)  # [T, L]
+            t = int(tl.any(dim=1).nonzero()[0])
+            layer = int(tl[t].nonzero()[0])
+            kh = bad[t, layer].any(dim=2).nonzero()[0]
             k, h = int(kh[0]), int(kh[1])
             cand = (t, l0 + layer, i, k, h)
             if best is None or cand[:2] < best[0][:2]:
-                best = (cand, af[layer, k, h, t, :].float().cpu())
+                best = (cand, af[t, layer, k, h, :].float().cpu())
         if best is None:  # pragma: no cover - equal after all
             return
         (t, layer, i, k, h), row = best
@@ -1548,7 +1626,7 @@ class TorchBackend:
         rows = self._rows([self._probe_tag], 0, [_PROMPT] * bs)
         self._main_touch(worker)
         for i, (l0, l1, hs) in enumerate(w.parts):
-            if self._check(w, i, b, 0, bs, self._qf[l0:l1, :, hs[0]: hs[-1] + 1] + rows):
+            if self._check(w, i, b, 0, bs, self._qpart(l0, l1, hs) + rows):
                 continue
             who = "free" if not owners else f"now owned by {_fmt(owners[0])}"
             self._emit(("probe", t.tid), KVCorruption(
@@ -1747,6 +1825,15 @@ class TorchBackend:
     def _on_transfer_abort(self, ev: TransferAbort, line: int) -> None:
         pass  # an abort is a request, not a fence
 
+    def _landed_for(self, g: _Gen, ticket: str, worker: str) -> list[_Xfer]:
+        """The transfers of ``ticket`` into ``worker`` whose writes landed."""
+        out = []
+        for tid in g.transfers:
+            t = self._xfers[tid]
+            if t.ticket == ticket and t.dst == worker and t.wrote and not t.failed:
+                out.append(t)
+        return out
+
     def _commit_table(self, g: _Gen, ev: Commit) -> tuple[list[int] | None, int | None]:
         """The block table a commit makes readable: the generation's shared
         blocks on the worker, then the blocks the ticket reserved there; without
@@ -1786,18 +1873,46 @@ class TorchBackend:
         g.committed = (ev.worker, table, line)
         if g.prefill_line is None:
             return
-        self._verify(g, ev.worker, table, self._prompt(g), line,
-                     "commit (KV made readable for decode)", [tline, g.prefill_line], ticket=ev.ticket)
+        what = "commit (KV made readable for decode)"
+        witness = [tline, g.prefill_line]
+        landed = self._landed_for(g, ev.ticket, ev.worker)
+        if not landed or any(t.tokens is None and t.layers is None for t in landed):
+            # nothing landed, or a transfer of every layer and position: the whole prompt
+            self._verify(g, ev.worker, table, self._prompt(g), line, what, witness, ticket=ev.ticket)
+            return
+        # ranged transfers: exactly what landed, and the shared prefix
+        prompt = self._prompt(g)
+        bs = self.layout.block_size
+        shared = g.shared.get(ev.worker)
+        if shared and not self._verify(g, ev.worker, table, min(shared[1], prompt), line, what, witness,
+                                       ticket=ev.ticket):
+            return
+        for t in landed:
+            if not t.moves:
+                self._plan(t)
+            for (i, sb, db, p0, s0, s1) in t.moves:
+                s1 = min(s1, prompt - p0)
+                if s0 >= s1:
+                    continue
+                if p0 // bs >= len(table):
+                    self._report_missing(g, ev.worker, table, len(table) * bs, what, line, witness, t.tid, ev.ticket)
+                    return
+                if not self._verify_slots(g, ev.worker, table[p0 // bs], p0, s0, s1, t.layers, line, what,
+                                          witness + [t.line], t.tid, ev.ticket):
+                    return
 
     def _on_decode(self, ev: Decode, line: int) -> None:
         key = (ev.request, ev.gen)
         g = self._gen(key)
+        same = False
         if g.last_decode is not None:
             # superseded by this step's check
             worker, table, _pos, _l = g.last_decode
-            for b in table:
-                if self._final.get((worker, b)) == key:
-                    del self._final[(worker, b)]
+            same = worker == ev.worker and table == ev.blocks
+            if not same:
+                for b in table:
+                    if self._final.get((worker, b)) == key:
+                        del self._final[(worker, b)]
             g.last_decode = None
         self._verify(g, ev.worker, ev.blocks, ev.position, line,
                      f"decode at position {ev.position}", [g.committed[2] if g.committed else None, g.prefill_line])
@@ -1816,8 +1931,9 @@ class TorchBackend:
         if ev.position + 1 >= self._prompt(g):
             self._expect_token(g, ev.position + 1, ev.output_token)
         g.last_decode = (ev.worker, ev.blocks, ev.position, line)
-        for b in ev.blocks:
-            self._final[(ev.worker, b)] = key
+        if not same or any(self._final.get((ev.worker, b)) != key for b in ev.blocks[-1:]):
+            for b in ev.blocks:
+                self._final[(ev.worker, b)] = key
 
     def _on_end(self, ev: Finish | Cancel | Fail, line: int) -> None:
         g = self._gen((ev.request, ev.gen))
@@ -1905,6 +2021,20 @@ class TorchBackend:
         w.stash.clear()
 
 
+def _bit_table(values: Sequence[float], dtype: torch.dtype) -> tuple[str, list[int | float]]:
+    """(array typecode, the entry of each value) to build a tensor of ``dtype``
+    with :func:`torch.frombuffer` (the values are exact in ``dtype``)."""
+    if dtype == torch.float32:
+        return "f", list(values)
+    if dtype == torch.float64:
+        return "d", list(values)
+    if dtype == torch.float16:
+        return "H", [struct.unpack("<H", struct.pack("<e", v))[0] for v in values]
+    if dtype == torch.bfloat16:
+        return "H", [struct.unpack("<I", struct.pack("<f", v))[0] >> 16 for v in values]
+    raise UsageError("value dtype", str(dtype), "float32, float64, float16 or bfloat16")
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as bytes (index_select / index_copy_ / index_fill_ have no fp8 kernels on CPU)."""
     return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
@@ -1921,7 +2051,7 @@ def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_i
                  dl: tuple[int, int], sl: tuple[int, int], heads: tuple | None,
                  slots: tuple[int, int] | None) -> None:
     """dst[dst_ids[i], dl, :, dheads, slots] = src[src_ids[i], sl, :, sheads, slots] for each i."""
-    whole_layers = dl == (0, dst.shape[1]) and sl == (0, src.shape[1])
+    whole_layers = dl == (0, dst.shape[2]) and sl == (0, src.shape[2])
     full = whole_layers and heads is None and slots is None
     runs: list[list[int]] = []
     for d, s in zip(dst_ids, src_ids):
@@ -1934,13 +2064,13 @@ def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_i
         si = torch.tensor(src_ids, device=src.device, dtype=torch.int64)
         _bytes(dst).index_copy_(0, di, _bytes(src).index_select(0, si))
         return
-    (dj0, dj1), (si0, si1) = heads if heads is not None else ((0, dst.shape[3]), (0, src.shape[3]))
-    t0, t1 = slots if slots is not None else (0, dst.shape[4])
+    (dj0, dj1), (si0, si1) = heads if heads is not None else ((0, dst.shape[4]), (0, src.shape[4]))
+    t0, t1 = slots if slots is not None else (0, dst.shape[1])
     for d, s, n in runs:
         if full:
             dst[d: d + n].copy_(src[s: s + n])
         else:
-            dst[d: d + n, dl[0]: dl[1], :, dj0:dj1, t0:t1].copy_(src[s: s + n, sl[0]: sl[1], :, si0:si1, t0:t1])
+            dst[d: d + n, t0:t1, dl[0]: dl[1], :, dj0:dj1].copy_(src[s: s + n, t0:t1, sl[0]: sl[1], :, si0:si1])
 
 
 def _device(device: str | torch.device) -> torch.device:
