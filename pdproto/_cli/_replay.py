@@ -13,7 +13,10 @@ from ._args import esc, int_type, positive_int, print_result, size_type
 from ._audit import print_violations
 
 BACKENDS = ("torch",)
-DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float64", "bf16", "fp16", "fp32")
+DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+                 "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2")
+LAYOUT_CHOICES = ("mha", "mla")
+SCALE_CHOICES = ("per-tensor", "per-block", "per-head")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,23 +24,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "replay",
         help="execute a history on real paged KV buffers and verify every byte decode reads",
         description=(
-            "Replay a history (format v1, JSON Lines; '-' reads standard input) on one paged "
-            "KV pool per worker (torch), with adversarial timing: transfers read their source "
+            "Replay a history (format v1 or 1.1, JSON Lines; '-' reads standard input) on paged "
+            "KV pools per worker (torch), with adversarial timing: transfers read their source "
             "at transfer_read_done and their writes land at transfer_write_done; free and "
             "restart poison memory. Every decode checks that positions 0..position-1 hold "
             "exactly its generation's KV; a mismatch is reported as kv-corruption, next to "
-            "the monitor's violations. Exit 0 when clean, 1 on any violation, 2 on bad input."
+            "the monitor's violations. The KV layout comes from the header's kv object and "
+            "each worker's tp/pp (format 1.1); a flag given here overrides the header. "
+            "Exit 0 when clean, 1 on any violation, 2 on bad input."
         ),
     )
     p.add_argument("file", metavar="FILE", help="the history to replay, or - for standard input")
     p.add_argument("--backend", choices=BACKENDS, default="torch", help="data backend (default torch)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N); default cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES, help="KV dtype (default bfloat16)")
-    p.add_argument("--tp", default="1:1", metavar="P:D",
-                   help="tensor-parallel sizes of prefill and decode workers (default 1:1)")
-    p.add_argument("--layers", type=int_type(), default=2, help="layers (default 2)")
-    p.add_argument("--kv-heads", type=int_type(), default=4, help="KV heads (default 4)")
-    p.add_argument("--head-dim", type=int_type(), default=8, help="head dimension, >= 5 (default 8)")
+    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
+                   help="KV dtype (default: the header's kv.dtype, else bfloat16)")
+    p.add_argument("--scale", default=None, choices=SCALE_CHOICES,
+                   help="fp8 scale granularity (default: the header's kv.scale, else per-tensor)")
+    p.add_argument("--layout", default=None, choices=LAYOUT_CHOICES,
+                   help="KV layout: mha, or mla (one latent per token and layer) (default: the header's, else mha)")
+    p.add_argument("--tp", default=None, metavar="P:D",
+                   help="tensor-parallel sizes of prefill and decode workers, for every worker "
+                   "(default: each worker's tp in the header, else 1:1)")
+    p.add_argument("--layers", type=int_type(), default=None, help="layers (default: the header's, else 2)")
+    p.add_argument("--kv-heads", type=int_type(), default=None, help="KV heads (default: the header's, else 4)")
+    p.add_argument("--head-dim", type=int_type(), default=None,
+                   help="head dimension, >= 5 (default: the header's, else 8)")
     p.add_argument("--block-size", type=int_type(), default=None,
                    help="tokens per block (default: the header's block_size, else 4)")
     p.add_argument("--policy", choices=POLICIES, default=None,
@@ -60,6 +72,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     result = replay(
         args.file, device=args.device, dtype=args.dtype, tp=args.tp, layers=args.layers,
         kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
+        layout=args.layout, scale=args.scale,
         policy=args.policy, complete=args.complete, skip=skip,
         max_line_bytes=args.max_line_bytes, max_memory=args.max_memory,
     )
@@ -69,11 +82,15 @@ def run(args: argparse.Namespace, console: Any) -> int:
 def _print_report(console: Any, path: str, result: ReplayResult) -> None:
     name = "<stdin>" if path == "-" else path
     b = result.backend
+    heads = "MLA latent" if b.get("layout") == "mla" else f"{b['kv_heads']} KV heads"
+    scale = f" {b['scale']} scales" if b.get("scale") else ""
+    par = ", ".join(f"{n} tp {w['tp']}" + (f" pp {w['pp']}" if w["pp"] > 1 else "")
+                    for n, w in b.get("workers", {}).items())
     console.print(
         f"[bold]{esc(name)}[/]: {result.events} events, {result.requests} requests, replayed on "
-        f"{b['device']} ({b['dtype']}, {b['layers']} layers x {b['kv_heads']} KV heads x head dim "
-        f"{b['head_dim']}, block size {b['block_size']}, tp {b['tp'][0]}:{b['tp'][1]}); "
-        f"{b['bytes_copied']} bytes transferred",
+        f"{b['device']} ({b['dtype']}{scale}, {b['layers']} layers x {heads} x head dim "
+        f"{b['head_dim']}, block size {b['block_size']}; {esc(par) or 'no worker'}); "
+        f"{b['bytes_copied']} bytes transferred, {b['bytes_verified']} bytes verified",
         markup=True,
     )
     violations = result.violations

@@ -93,9 +93,9 @@ class ReplayResult:
         }
 
 
-def _check_shapes(layers: int, kv_heads: int, head_dim: int, block_size: int | None) -> None:
+def _check_shapes(layers: int | None, kv_heads: int | None, head_dim: int | None, block_size: int | None) -> None:
     for name, value, low in (("--layers", layers, 1), ("--kv-heads", kv_heads, 1), ("--head-dim", head_dim, 5)):
-        if value < low:
+        if value is not None and value < low:
             raise UsageError(name, value, f"an integer >= {low}")
     if block_size is not None and block_size < 1:
         raise UsageError("--block-size", block_size, "an integer >= 1")
@@ -105,12 +105,14 @@ def replay(
     path: str | os.PathLike[str],
     *,
     device: str = "cpu",
-    dtype: str = "bfloat16",
-    tp: str = "1:1",
-    layers: int = 2,
-    kv_heads: int = 4,
-    head_dim: int = 8,
+    dtype: str | None = None,
+    tp: str | None = None,
+    layers: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
     block_size: int | None = None,
+    layout: str | None = None,
+    scale: str | None = None,
     policy: str | None = None,
     complete: bool = False,
     skip: Iterable[str] = (),
@@ -121,7 +123,10 @@ def replay(
     KV pool per worker, with the monitor judging it.
 
     ``tp`` is ``"P:D"``, the tensor-parallel sizes of prefill and decode
-    workers; ``block_size`` defaults to the header's.  ``policy``,
+    workers.  Each shape option left None comes from the header (format
+    1.1: ``kv``, and each worker's ``tp`` / ``pp``), else from the defaults
+    (bfloat16, 1:1, 2 layers, 4 KV heads, head dim 8, block size 4, mha);
+    one given explicitly overrides the header.  ``policy``,
     ``complete`` and ``skip`` are those of :func:`pdproto.audit`.  Needs
     torch (a :class:`~pdproto.UsageError` when it is missing)."""
     tb = load_torch_backend()
@@ -130,9 +135,10 @@ def replay(
     with open_history(os.fspath(path), max_line_bytes=max_line_bytes) as reader:
         monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
         limit = {} if max_memory is None else {"max_memory": max_memory}  # default: the backend's
-        backend = tb.TorchBackend(reader.header, device=device, dtype=dtype, tp=tb.parse_tp(tp),
-                                  layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-                                  block_size=block_size, **limit)
+        backend = tb.TorchBackend(reader.header, device=device, dtype=dtype,
+                                  tp=None if tp is None else tb.parse_tp(tp), layers=layers,
+                                  kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                                  layout=layout, scale=scale, **limit)
         feed, apply = monitor.feed, backend.apply
         for line, event in reader:
             feed(event, line)
@@ -153,7 +159,7 @@ def replay(
 
 def _backend_info(backend: Any) -> dict[str, Any]:
     L = backend.layout
-    return {
+    out = {
         "name": "torch",
         "device": str(backend.device),
         "dtype": L.dtype,
@@ -162,8 +168,16 @@ def _backend_info(backend: Any) -> dict[str, Any]:
         "kv_heads": L.kv_heads,
         "head_dim": L.head_dim,
         "block_size": L.block_size,
+        "layout": L.layout,
         "bytes_copied": backend.bytes_copied,
+        "bytes_verified": backend.bytes_verified,
+        "memory": backend.memory,
+        "workers": {name: {"role": w.role, "tp": w.tp, "pp": w.pp, "blocks": w.nblocks}
+                    for name, w in sorted(backend._workers.items())},
     }
+    if L.scale is not None:
+        out["scale"] = L.scale
+    return out
 
 
 __all__ = ["replay", "ReplayResult", "load_torch_backend", "torch_backend_factory", "KV_CORRUPTION"]
