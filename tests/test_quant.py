@@ -14,8 +14,8 @@ from pdproto import UsageError  # noqa: E402
 from pdproto.backends import _quant as Q  # noqa: E402
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
-POOL = (6, 2, 2, 4, 4, 8)  # blocks, layers, K/V, heads, block_size, head_dim
-AXES = dict(block_axis=0, head_axis=3, keep_axes=(1, 2))
+POOL = (6, 4, 2, 2, 4, 8)  # blocks, block_size, layers, K/V, heads, head_dim (slot-major)
+AXES = dict(block_axis=0, head_axis=4, keep_axes=(2, 3))
 
 
 def _engine_values(shape, seed=0):
@@ -90,9 +90,9 @@ def test_engine_value_range_round_trips(name, granularity):
 
 
 def test_scale_shapes():
-    assert Q.scale_shape(POOL, "per-tensor", **AXES) == (1, 2, 2, 1, 1, 1)
-    assert Q.scale_shape(POOL, "per-block", **AXES) == (6, 2, 2, 1, 1, 1)
-    assert Q.scale_shape(POOL, "per-head", **AXES) == (1, 2, 2, 4, 1, 1)
+    assert Q.scale_shape(POOL, "per-tensor", **AXES) == (1, 1, 2, 2, 1, 1)
+    assert Q.scale_shape(POOL, "per-block", **AXES) == (6, 1, 2, 2, 1, 1)
+    assert Q.scale_shape(POOL, "per-head", **AXES) == (1, 1, 2, 2, 4, 1)
     assert Q.scale_shape(POOL, "per-tensor") == (1,) * 6
     assert Q.scale_shape((3, 5), "per-block", block_axis=-2) == (3, 1)
     x = _engine_values(POOL)

@@ -30,12 +30,12 @@ engine keeps each layer's K and V cache as separate tensors).  The scale has
 elsewhere, so ``q.float() * scale`` broadcasts.  :func:`scale_shape` gives
 that shape before any data exists (to allocate scales next to a pool).
 
-For the replay backend's pool ``[blocks, layers, 2, heads, block_size,
-head_dim]``::
+For the replay backend's slot-major pool ``[blocks, block_size, layers, 2,
+heads, head_dim]``::
 
-    axes = dict(block_axis=0, head_axis=3, keep_axes=(1, 2))
-    q, s = quantize(x, "float8_e4m3fn", "per-block", **axes)   # s: [blocks, layers, 2, 1, 1, 1]
-    q, s = quantize(x, "float8_e4m3fn", "per-head", **axes)    # s: [1, layers, 2, heads, 1, 1]
+    axes = dict(block_axis=0, head_axis=4, keep_axes=(2, 3))
+    q, s = quantize(x, "float8_e4m3fn", "per-block", **axes)   # s: [blocks, 1, layers, 2, 1, 1]
+    q, s = quantize(x, "float8_e4m3fn", "per-head", **axes)    # s: [1, 1, layers, 2, heads, 1]
     ok = close(dequantize(q, s), x, "float8_e4m3fn", s)        # elementwise bool
 
 CPU notes (torch 2.13): casts to and from both fp8 dtypes work, and so do
@@ -180,8 +180,8 @@ def scale_shape(
 ) -> tuple[int, ...]:
     """The shape of the scale of a tensor of ``shape`` (see :func:`scale_axes`):
     its size along the axes the scale varies on, 1 elsewhere.  E.g. a pool
-    ``[blocks, layers, 2, heads, bs, hd]`` per-block with ``keep_axes=(1, 2)``:
-    ``[blocks, layers, 2, 1, 1, 1]``."""
+    ``[blocks, bs, layers, 2, heads, hd]`` per-block with ``block_axis=0,
+    keep_axes=(2, 3)``: ``[blocks, 1, layers, 2, 1, 1]``."""
     shape = tuple(shape)
     kept = scale_axes(len(shape), granularity, block_axis=block_axis, head_axis=head_axis,
                       keep_axes=keep_axes)
