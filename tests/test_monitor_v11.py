@@ -437,3 +437,49 @@ def test_key_distinguishes_shares_and_copy_is_independent():
     b.feed(Free("P0", (0,), request="r1", gen=0))
     assert a.key() != b.key() and ("P0", 0) in a._shared and ("P0", 0) not in b._shared
     assert Monitor.from_key(a.key()).key() == a.key()
+
+
+# -- random histories over a few ids: no crash, and renaming stays sound ---------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_req, _gen, _wk = st.sampled_from(["r1", "r2", "r3"]), st.integers(0, 1), st.sampled_from(["P0", "D0"])
+_blk = st.lists(st.integers(0, 3), max_size=3).map(tuple)
+_tid, _tk = st.sampled_from(["x1", "x2", "x3"]), st.sampled_from(["t1", "t2"])
+_rng = st.none() | st.tuples(st.integers(0, 6), st.integers(1, 8)).filter(lambda r: r[0] < r[1])
+_small_events = st.one_of(
+    st.builds(Submit, _req, _gen, prompt_len=st.integers(0, 8)),
+    st.builds(Reserve, _req, _gen, _tk, _wk, _blk),
+    st.builds(PrefillStart, _req, _gen, _wk, _blk),
+    st.builds(PrefillDone, _req, _gen, _wk, first_token=st.integers(0, 3), processed_len=st.integers(0, 8)),
+    st.builds(Alloc, _req, _gen, _wk, _blk),
+    st.builds(Share, _req, _gen, _wk, _blk, tokens=st.integers(0, 8)),
+    st.builds(TransferStart, _tid, _tk, _req, _gen, _wk, _blk, _wk, _blk, layers=_rng, tokens=_rng),
+    st.builds(TransferReadDone, _tid),
+    st.builds(TransferWriteDone, _tid),
+    st.builds(TransferFailed, _tid),
+    st.builds(Commit, _req, _gen, _tk, _wk),
+    st.builds(Decode, _req, _gen, _wk, st.integers(0, 9), st.integers(0, 3), st.integers(0, 3), _blk),
+    st.builds(Finish, _req, _gen),
+    st.builds(Cancel, _req, _gen),
+    st.builds(Free, _wk, _blk, request=st.none() | _req, gen=st.none() | _gen),
+    st.builds(Restart, _wk, st.integers(0, 2)),
+)
+_SWAP = {"r1": "r2", "r2": "r1", "t1": "t2", "t2": "t1", "x1": "x3", "x3": "x1", "P0": "D0", "D0": "P0"}
+_SWAP_BLOCKS = {("P0", 0): 3, ("P0", 3): 0, ("D0", 1): 2, ("D0", 2): 1}
+
+
+@given(st.lists(_small_events, max_size=40), st.sampled_from(["push", "pull"]))
+@settings(max_examples=150, deadline=None)
+def test_random_histories_with_shares_and_ranges(evs, policy):
+    kv = KVSpec(layers=8)
+    a, b = Monitor(policy, complete=True, kv=kv), Monitor(policy, complete=True, kv=kv)
+    for ev in evs:
+        a.feed(ev)
+        b.feed(rename_event(ev, _SWAP, _SWAP_BLOCKS))
+        assert Monitor.renamed_key(a.key(), _SWAP, _SWAP_BLOCKS) == b.key()
+        assert not set(a._owner) & set(a._shared)  # one owner, or two or more: never both
+        assert all(len(holders) >= 2 for holders in a._shared.values())
+    assert [v.invariant for v in a.finish()] == [v.invariant for v in b.finish()]
+    assert [(v.invariant, v.line) for v in a.violations] == [(v.invariant, v.line) for v in b.violations]
