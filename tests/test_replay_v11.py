@@ -315,14 +315,15 @@ def test_fp8_per_block_scales_travel_with_their_blocks():
     _, backend = run(plain(), hdr, drop_scales=True)  # a transfer that forgets the scales
     v = kv(backend)[0]
     assert v.line == plain().index(Commit("r1", 0, "t-r1", "D0")) + 2
-    assert "scale" in v.message or v.found == "poison"
+    assert "per-block scale is missing" in v.message
 
 
 def test_fp8_static_scales_must_match_between_p_and_d():
     hdr = header({"kv"}, KVSpec(layers=2, block_size=4, dtype="float8_e4m3fn", scale="per-tensor"))
     _, backend = run(plain(), hdr, static_scales={"D0": 2.0})
     v = kv(backend)[0]
-    assert v.worker == "D0" and v.position == 0
+    assert v.worker == "D0" and v.position == 0 and v.found["request"] == "r1"
+    assert "read with scale 2 instead of the 1 it was written with" in v.message
 
 
 def test_fp8_still_says_whose_kv_a_wrong_slot_holds():

@@ -1545,16 +1545,19 @@ class TorchBackend:
             k, h = int(kh[0]), int(kh[1])
             cand = (t, l0 + layer, i, k, h)
             if best is None or cand[:2] < best[0][:2]:
-                best = (cand, af[t, layer, k, h, :].float().cpu())
+                raw = a[t, layer, k, h, :].float().cpu() if L.fp8 else None
+                best = (cand, af[t, layer, k, h, :].float().cpu(), raw, s if L.fp8 else None)
         if best is None:  # pragma: no cover - equal after all
             return
-        (t, layer, i, k, h), row = best
+        (t, layer, i, k, h), row, raw, scale = best
         position = pstart + t
         head = w.parts[i][2][h]
         found, found_text = self._decode_row(row)
         if (isinstance(found, dict) and (found.get("request"), found.get("gen")) == g.key
                 and found.get("position_mod") == position % self._radix and found.get("head") == head % self._radix):
             found_text = f"its own KV for position {position}, but written for another input token"
+        if raw is not None:
+            found, found_text = self._rescaled(found, found_text, raw, scale, layer - w.parts[i][0], k, h)
         wrote = w.last_write.get(blk)
         if w.restart_line is not None and (wrote is None or w.restart_line > wrote) and w.restart_stamp >= w.stamp.get(blk, 0):
             wrote = w.restart_line
@@ -1579,6 +1582,25 @@ class TorchBackend:
             layer=layer, position=position, head=head, rank=i, found=found,
             transfer=transfer, ticket=ticket,
         ))
+
+    def _rescaled(self, found: Any, text: str, raw: torch.Tensor, scale: torch.Tensor, layer: int, k: int,
+                  h: int) -> tuple[Any, str]:
+        """fp8: the element read with the scale its block or worker has; if
+        that makes no sense, try the scales KV is written with (whose KV it is,
+        read with a wrong scale), and say whether the scale itself is missing."""
+        s = scale[0] if scale.shape[0] == 1 else scale
+        s = float(s[layer, k, h if s.shape[2] > 1 else 0, 0]) if s.dim() == 4 else float(s.flatten()[0])
+        if s != s and not bool(torch.isnan(raw).any()):
+            return found, "KV without its scale (the block's per-block scale is missing: not written, or " \
+                          "left behind by the transfer)"
+        if isinstance(found, dict) or found == "poison":
+            return found, text
+        candidates = {2.0 ** -e for e in range(3)} | {wk.static_scale for wk in self._workers.values()}
+        for c in sorted(candidates):
+            f, t = self._decode_row(raw * c)
+            if isinstance(f, dict):
+                return f, f"{t}, read with scale {s:g} instead of the {c:g} it was written with"
+        return found, text
 
     def _decode_row(self, row: torch.Tensor) -> tuple[Any, str]:
         vals = row.tolist()
