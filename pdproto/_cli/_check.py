@@ -47,6 +47,16 @@ def add_parser(sub: Any) -> None:
         help="fault budgets replacing the model's defaults (kinds not named get 0), e.g. "
         "cancel=1,dup=1 (also all=1, none)",
     )
+    p.add_argument("--prefix-cache", action="store_true", default=None,
+                   help="format 1.1: P caches the prompt's prefix (its full blocks before the last token) "
+                   "and later prefills share it (share events; needs --prompt-len > --block-size)")
+    p.add_argument("--chunks", type=positive_int, metavar="N",
+                   help="format 1.1: the handoff is N transfers under one ticket, each for a range of "
+                   "prompt positions (with --layerwise: one layer each); default 1")
+    p.add_argument("--layerwise", action="store_true", default=None,
+                   help="with --chunks N (N >= 2): chunk i moves layer i of N layers, every position")
+    p.add_argument("--block-size", type=positive_int, metavar="N", help="tokens per KV block")
+    p.add_argument("--prompt-len", type=positive_int, metavar="N", help="prompt length of every request")
     p.add_argument("--max-states", type=positive_int, metavar="N", help="stop after N distinct states")
     p.add_argument("--fingerprint", action="store_true",
                    help="keep 64-bit fingerprints instead of states (less memory; prints the "
@@ -90,7 +100,9 @@ def run(args: argparse.Namespace, console: Any) -> int:
     backend_opts = _backend_options(args)
     faults = parse_faults(args.faults) if args.faults is not None else None
     model, info = load_model(
-        args.model, mode=args.policy, requests=args.requests, blocks=args.blocks, faults=faults
+        args.model, mode=args.policy, requests=args.requests, blocks=args.blocks, faults=faults,
+        prefix_cache=args.prefix_cache, chunks=args.chunks, layerwise=args.layerwise,
+        block_size=args.block_size, prompt_len=args.prompt_len,
     )
     for warning in info.warnings:  # one plain line each, never wrapped
         print(f"pdproto check: warning: {warning}", file=sys.stderr)
@@ -198,6 +210,11 @@ def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
 # -- output -------------------------------------------------------------------
 
 
+#: The format 1.1 fields of a handoff configuration, with their "off" value:
+#: left out of the printed configuration when off.
+_V11_OFF = {"prefix_cache": False, "chunks": 1, "layerwise": False}
+
+
 def _config_dict(config: Any) -> Any:
     if config is None:
         return None
@@ -210,6 +227,9 @@ def _config_dict(config: Any) -> Any:
                 out["faults"] = {k: v for k, v in out["faults"].items() if v}
             if "policy" in out and "mode" not in out:  # "mode": the key's name before "policy"
                 out = {"mode": out["policy"], **out}
+            for key, off in _V11_OFF.items():  # format 1 configurations print as before
+                if key in out and out[key] == off:
+                    del out[key]
             return out
     except Exception:  # pragma: no cover - best effort
         pass

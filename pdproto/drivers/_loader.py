@@ -30,7 +30,8 @@ import attrs
 
 from .._errors import ModelLoadError, UsageError
 
-__all__ = ["load_model", "list_models", "ModelInfo", "MAX_REQUESTS", "MAX_BLOCKS", "MAX_WORKERS"]
+__all__ = ["load_model", "list_models", "ModelInfo", "MAX_REQUESTS", "MAX_BLOCKS", "MAX_WORKERS", "MAX_CHUNKS",
+           "MAX_BLOCK_SIZE", "MAX_PROMPT_LEN"]
 
 #: Sizes the loader accepts for a handoff configuration.  Far larger than any
 #: exhaustive search can finish (see :func:`reach_warning`), but small enough
@@ -38,6 +39,9 @@ __all__ = ["load_model", "list_models", "ModelInfo", "MAX_REQUESTS", "MAX_BLOCKS
 MAX_REQUESTS = 64
 MAX_BLOCKS = 1024
 MAX_WORKERS = 6
+MAX_CHUNKS = 64
+MAX_BLOCK_SIZE = 1024
+MAX_PROMPT_LEN = 4096
 
 # keyword of load_model -> the command-line flag that sets it
 _FLAGS = {
@@ -48,6 +52,11 @@ _FLAGS = {
     "faults": "--faults",
     "prefill_workers": "--workers",
     "decode_workers": "--workers",
+    "prefix_cache": "--prefix-cache",
+    "chunks": "--chunks",
+    "layerwise": "--layerwise",
+    "block_size": "--block-size",
+    "prompt_len": "--prompt-len",
 }
 
 _DEFAULT = "reference"
@@ -196,6 +205,11 @@ def load_model(
     prefill_workers: int | None = None,
     decode_workers: int | None = None,
     mode: str | None = None,
+    prefix_cache: bool | None = None,
+    chunks: int | None = None,
+    layerwise: bool | None = None,
+    block_size: int | None = None,
+    prompt_len: int | None = None,
 ) -> tuple[Any, ModelInfo]:
     """Resolve ``spec`` to a model; return ``(model, info)``.
 
@@ -203,6 +217,9 @@ def load_model(
     counts and ``faults`` (budgets replacing the default ones: kinds not named
     get 0) evolve the module's ``DEFAULT_CONFIG``; they are an error for a
     bare model instance, and for a configuration with no such field.
+    ``prefix_cache``, ``chunks``, ``layerwise``, ``block_size`` and
+    ``prompt_len`` set the handoff configuration's fields of those names
+    (format 1.1 behaviour: see :class:`~pdproto.ModelConfig`).
     ``info.warnings`` says when the configuration is likely out of reach of
     an exhaustive search.
 
@@ -212,6 +229,7 @@ def load_model(
         ModelLoadError: the model's own code raised while it was imported or built.
     """
     overrides = _overrides(policy, mode, requests, blocks, prefill_workers, decode_workers)
+    overrides.update(_v11_overrides(prefix_cache, chunks, layerwise, block_size, prompt_len))
     given = spec if spec is not None else _DEFAULT
     target, module = _resolve(spec, given)
     model, config = _instantiate(target, module, overrides, faults, given)
@@ -238,6 +256,25 @@ def _overrides(policy: str | None, mode: str | None, requests: int | None, block
     given = {"policy": policy, "requests": requests, "blocks": blocks,
              "prefill_workers": prefill_workers, "decode_workers": decode_workers}
     return {k: v for k, v in given.items() if v is not None}
+
+
+def _v11_overrides(prefix_cache: bool | None, chunks: int | None, layerwise: bool | None,
+                   block_size: int | None, prompt_len: int | None) -> dict[str, Any]:
+    """The format 1.1 fields (and the prompt's shape) the caller sets, validated."""
+    out: dict[str, Any] = {}
+    for what, name, value in (("--prefix-cache", "prefix_cache", prefix_cache), ("--layerwise", "layerwise", layerwise)):
+        if value is not None:
+            if type(value) is not bool:
+                raise UsageError(what, value, "True or False")
+            out[name] = value
+    for what, name, value, top in (("--chunks", "chunks", chunks, MAX_CHUNKS),
+                                   ("--block-size", "block_size", block_size, MAX_BLOCK_SIZE),
+                                   ("--prompt-len", "prompt_len", prompt_len, MAX_PROMPT_LEN)):
+        if value is not None:
+            if type(value) is not int or not 1 <= value <= top:
+                raise UsageError(what, value, f"an integer from 1 to {top}")
+            out[name] = value
+    return out
 
 
 def _resolve(spec: str | None, given: str) -> tuple[Any, ModuleType | None]:
