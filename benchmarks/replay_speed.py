@@ -8,10 +8,10 @@ through ``pdproto.drivers.replay`` at two layouts:
 - ``default``: the replay defaults (2 layers x 4 KV heads x 8 head dim, block size 4);
 - ``large``: 8 layers x 8 KV heads x 128 head dim (block size 4);
 
-and prints for each: events, seconds, events/s, verified KV bytes/s, the raw
-``copy_`` throughput of the same number of KV bytes on the same device, and
-the ratio raw / verified (how many times slower verification is than
-copying).  "Verified KV bytes" are the bytes of every position a generation
+and prints for each (after an untimed warm-up replay): events, seconds,
+events/s, verified KV bytes/s, the raw ``copy_`` throughput of the same
+number of KV bytes on the same device, and the ratio raw / verified (how
+many times slower verification is than copying).  "Verified KV bytes" are the bytes of every position a generation
 ends up with on its decode worker (prompt + decoded positions, all layers, K
 and V, all heads): what commit and decode verification must cover at least
 once.
@@ -23,7 +23,7 @@ Usage::
 
     python benchmarks/replay_speed.py [--quick] [--events N] [--large-events N]
         [--layout default|large|both] [--policy push|pull] [--version 1|1.1]
-        [--seed S] [--device cpu|cuda] [--json] [--write FILE]
+        [--seed S] [--device cpu|cuda] [--threads N] [--json] [--write FILE]
 
 ``--events`` sizes the history (default 14,000, about 800 requests: the
 issue's reference point); ``--large-events`` replays a shorter history at
@@ -32,7 +32,10 @@ the large layout (default: the same one).  ``--quick`` is the CI smoke run
 generated history so that ``pdproto replay FILE`` replays it by hand (with
 ``--layers 8 --kv-heads 8 --head-dim 128`` for the large layout).
 ``--version`` defaults to 1.1 when this pdproto reads format 1.1, else 1.
-``--json`` prints exactly one JSON object.
+``--json`` prints exactly one JSON object.  On a CPU shared with other
+work, ``--threads 1`` gives steadier figures (torch's intra-op threads wait
+for each other when the cores are oversubscribed: every op, replay's and the
+raw copy's alike, then costs milliseconds).
 """
 
 from __future__ import annotations
@@ -76,23 +79,43 @@ def _sync(device: torch.device) -> None:
 
 
 def raw_copy_rate(nbytes: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> float:
-    """Bytes/s of ``dst.copy_(src)`` moving ``nbytes`` bytes (a buffer of at
-    most 256 MiB copied as many times as it takes; the best of 3)."""
+    """Bytes/s of ``dst.copy_(src)`` on ``device`` for a buffer of ``nbytes``
+    bytes (at most 256 MiB), copied as often as it takes to fill 50 ms; the
+    best of 3."""
     elem = torch.empty((), dtype=dtype).element_size()
     n = max(1, min(nbytes, 256 << 20) // elem)
     src = torch.randn(n, device=device).to(dtype)
     dst = torch.empty_like(src)
-    reps = max(1, -(-nbytes // (n * elem)))
-    dst.copy_(src)  # warm up
-    best = float("inf")
+    dst.copy_(src)  # warm up (first touch)
+    best = 0.0
     for _ in range(3):
+        copies = 0
         _sync(device)
         t0 = time.perf_counter()
-        for _ in range(reps):
+        while True:
             dst.copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return reps * n * elem / best
+            copies += 1
+            if copies % 8 == 0 or n * elem * copies >= nbytes:
+                _sync(device)
+                dt = time.perf_counter() - t0
+                if dt >= 0.05:
+                    break
+        best = max(best, copies * n * elem / dt)
+    return best
+
+
+_WARM: list[str] = []
+
+
+def _warm_up_history() -> str:
+    """A short history (written once) replayed untimed before each timed run."""
+    if not _WARM:
+        header, evs, _ = _long_history.generate(60, seed=1, version="1.1" if _reads_v11() else "1")
+        fd, path = tempfile.mkstemp(prefix="pdproto-warm-", suffix=".jsonl")
+        os.close(fd)
+        _long_history.write(path, header, evs)
+        _WARM.append(path)
+    return _WARM[0]
 
 
 def run_layout(path: str, stats: dict, layout: str, device: str) -> dict:
@@ -100,6 +123,7 @@ def run_layout(path: str, stats: dict, layout: str, device: str) -> dict:
     elem = torch.empty((), dtype=getattr(torch, DTYPE)).element_size()
     pos_bytes = shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * elem
     kv_bytes = stats["positions"] * pos_bytes
+    replay(_warm_up_history(), device=device, dtype=DTYPE, max_memory=None, **shape)  # imports, first calls
     t0 = time.perf_counter()
     result = replay(path, device=device, dtype=DTYPE, max_memory=None, **shape)
     dev = torch.device(result.backend["device"])
@@ -133,10 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--version", choices=("1", "1.1"), default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (torch.set_num_threads; default: torch's own)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--write", metavar="FILE", help="also save the generated history (--events) to FILE")
     args = ap.parse_args(argv)
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     events = args.events or (400 if args.quick else 14_000)
     large_events = args.large_events or (120 if args.quick else events)
     version = args.version or ("1.1" if _reads_v11() else "1")
@@ -162,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     version=version)
             _long_history.write(args.write, header, evs)
 
+    for path in _WARM:
+        os.remove(path)
     ok = all(r["ok"] for r in runs)
     out = {"version": version, "policy": args.policy, "seed": args.seed, "ok": ok,
            "threads": torch.get_num_threads(), "runs": runs,
