@@ -82,7 +82,7 @@ def explore(
     """Explore ``model`` breadth-first; return what was found.
 
     ``monitor_factory`` makes the monitor of an empty history (default:
-    ``Monitor(model.header.policy, complete=True, workers=model.header.workers)``);
+    ``Monitor.from_header(model.header, complete=True)``: its policy, pools and KV layout);
     ``monitor=False`` explores the model alone (no event checking).
     ``fingerprint`` keeps 64-bit hashes of visited states instead of the
     states.  ``stop_on_first`` stops at the first counterexample; otherwise
@@ -110,8 +110,8 @@ def explore(
         raise UsageError("max_states", max_states, "an integer >= 1")
     template = None
     if monitor:
-        template = monitor_factory() if monitor_factory is not None else Monitor(
-            header.policy, complete=True, workers=header.workers)
+        template = monitor_factory() if monitor_factory is not None else Monitor.from_header(
+            header, complete=True)
     return _Search(
         model, header=header, template=template, max_states=max_states, symmetry=symmetry,
         fingerprint=fingerprint, progress=progress, progress_interval=progress_interval,

@@ -77,7 +77,7 @@ def _counterexample(
             message = data[0].message
     if template is not None:
         # the monitor of the history as written: header on line 1, events after
-        mon = Monitor(header.policy, complete=True, workers=header.workers, skip=template.skip)
+        mon = Monitor.from_header(header, complete=True, skip=template.skip)
         line = 1
         out: list[Violation] = []
         for s in steps:
