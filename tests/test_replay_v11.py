@@ -391,3 +391,10 @@ def test_replay_json_prints_exactly_one_object(tmp_path, events):
     assert len(lines) == 1 and proc.stderr == ""
     out = json.loads(lines[0])
     assert out["ok"] is (events == plain()) and proc.returncode == (0 if out["ok"] else 1)
+
+
+def test_rows_computed_by_python_and_by_torch_agree():
+    backend = TorchBackend(header(), head_dim=128)
+    codes = [0] * 5 + [7, 12345]
+    narrow = torch.cat([backend._rows([3], p, [c]) for p, c in enumerate(codes)])
+    assert torch.equal(narrow, backend._rows_wide([3], 0, codes))

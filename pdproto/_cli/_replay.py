@@ -62,6 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-memory", type=size_type, default=None, metavar="SIZE",
                    help="most memory the KV pools may take, e.g. 16G (default 4G); computed before "
                    "anything is allocated")
+    p.add_argument("--threads", type=positive_int, default=1, metavar="N",
+                   help="torch intra-op threads during the replay (default 1: per-block work is small)")
     p.add_argument("--max-line-bytes", type=positive_int, default=MAX_LINE_BYTES, metavar="N",
                    help=f"longest history line accepted, in bytes (default {MAX_LINE_BYTES:,})")
     p.set_defaults(run=run)
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
         layout=args.layout, scale=args.scale,
         policy=args.policy, complete=args.complete, skip=skip,
-        max_line_bytes=args.max_line_bytes, max_memory=args.max_memory,
+        max_line_bytes=args.max_line_bytes, max_memory=args.max_memory, threads=args.threads,
     )
     return print_result(result, args.json, lambda: _print_report(console, args.file, result))
 

@@ -552,11 +552,13 @@ class TorchBackend:
         self._staging: dict[tuple, list[torch.Tensor]] = {}  # free staging buffers by row shape
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._vdtype = torch.float32 if L.fp8 else L.torch_dtype  # the dtype values are made in
+        self._nan = 0x7F if L.fp8 else _nan_bits(L.torch_dtype)
         self._qcache: dict[tuple, torch.Tensor] = {}
         self._qf = self._make_q()
         radix, half, div = L.encoding
         self._radix, self._half, self._div = radix, half, float(div)
         self._mults = [(_mix_py(d, 0x77) | 1) for d in range(L.head_dim - _CODE_DIMS)]
+        self._mults_t = torch.tensor(self._mults, dtype=torch.int64, device=self.device).view(1, -1)
         # the bits of every value a row holds: codes 0..R, then hashed k / S for k in 0..A
         values = [float(c) for c in range(radix + 1)] + [k / div for k in range(half + 1)]
         self._acode, self._enc = _bit_table(values, self._vdtype)
@@ -919,6 +921,8 @@ class TorchBackend:
         and position codes, dim 3 zero, hashed dims ``k / S`` (k in 0..A)."""
         radix = self._radix
         mults = self._mults
+        if len(codes) * len(mults) > 512:
+            return self._rows_wide(tags, start, codes)
         enc = self._enc  # value code -> its bits in the value dtype
         one = len(tags) == 1
         buf = array.array(self._acode)
@@ -934,6 +938,26 @@ class TorchBackend:
             buf.extend([enc[radix + 1 + (((x * m) & _M32) >> 20) % mod] for m in mults])
         out = torch.frombuffer(buf, dtype=self._vdtype).view(len(codes), 1, 1, 1, self.layout.head_dim)
         return out if not self.cuda else out.to(self.device, non_blocking=False)
+
+    def _rows_wide(self, tags: Sequence[int], start: int, codes: Sequence[int]) -> torch.Tensor:
+        """:meth:`_rows` with the hashed dims computed by torch (many of them)."""
+        radix = self._radix
+        one = len(tags) == 1
+        xs = array.array("q")
+        heads = array.array("f")
+        for i, code in enumerate(codes):
+            tag = tags[0] if one else tags[i]
+            p = start + i
+            x = (tag * 0x9E3779B1 + p * 0x85EBCA77 + (code & _M32) * 0xC2B2AE3D + 0x51ED) & _M32
+            x = (((x >> 16) ^ x) * _MUL) & _M32
+            x = (((x >> 16) ^ x) * _MUL) & _M32
+            xs.append((x >> 16) ^ x)
+            heads.extend((1.0 + tag % radix, 1.0 + (tag // radix) % radix, 1.0 + p % radix, 0.0))
+        T = len(codes)
+        x = torch.frombuffer(xs, dtype=torch.int64).to(self.device).view(T, 1)
+        hashed = ((((x * self._mults_t) & _M32) >> 20) % (self._half + 1)).to(torch.float32) / self._div
+        code = torch.frombuffer(heads, dtype=torch.float32).to(self.device).view(T, _CODE_DIMS)
+        return torch.cat((code, hashed), dim=1).to(self._vdtype).view(T, 1, 1, 1, self.layout.head_dim)
 
     def _values(self, tags: Sequence[int], start: int, codes: Sequence[int],
                 part: tuple[int, int, tuple[int, ...]], layers: tuple[int, int] | None = None) -> torch.Tensor:
@@ -1008,7 +1032,8 @@ class TorchBackend:
                     idx = torch.frombuffer(array.array("q", [b for b, _ in fb]), dtype=torch.int64)
                     if self.cuda:
                         idx = idx.to(self.device)
-                    w.pools[i].index_copy_(0, idx, vals[e0: e0 + len(fb) * bs].view(len(fb), bs, *vals.shape[1:]))
+                    _bytes(w.pools[i]).index_copy_(
+                        0, idx, _bytes(vals[e0: e0 + len(fb) * bs]).view(len(fb), bs, *vals.shape[1:]))
                 for blk, p0, p1 in spans:
                     a, b = max(p0, c0), min(p1, c1)
                     if a < b and not (batch and b - a == bs):
@@ -1035,16 +1060,20 @@ class TorchBackend:
         full = lo == 0 and (hi is None or hi >= L.block_size)
         for b in blocks:
             w.lastw.pop(b, None)
-        for i, pool in enumerate(w.pools):
-            if full and len(blocks) > 4:
-                idx = torch.tensor(blocks, device=self.device, dtype=torch.int64)
-                if L.fp8:
-                    pool.view(torch.uint8).index_fill_(0, idx, 0x7F)
-                else:
-                    pool.index_fill_(0, idx, float("nan"))
+        runs: list[list[int]] = []  # consecutive block ids: one fill_ (a memset) each
+        for b in sorted(set(blocks)):
+            if runs and runs[-1][1] == b:
+                runs[-1][1] += 1
             else:
-                for b in blocks:
-                    _poison_(pool[b] if full else pool[b, lo:hi], L.fp8)
+                runs.append([b, b + 1])
+        for i, pool in enumerate(w.pools):
+            raw = _bytes(pool)
+            if full and len(runs) > 16:
+                idx = torch.tensor(blocks, device=self.device, dtype=torch.int64)
+                raw.index_fill_(0, idx, self._nan)
+            else:
+                for b0, b1 in runs:
+                    (raw[b0:b1] if full else raw[b0:b1, lo:hi]).fill_(self._nan)
             if L.fp8 and L.scale == "per-block" and full:
                 for b in blocks:
                     w.scales[i][b].fill_(float("nan"))
@@ -1460,11 +1489,11 @@ class TorchBackend:
                 idx = torch.frombuffer(array.array("q", ids), dtype=torch.int64)
                 if self.cuda:
                     idx = idx.to(self.device)
-                act = w.pools[i].index_select(0, idx)
+                act = _bytes(w.pools[i]).index_select(0, idx)
                 e0 = todo[run[0]][0] * bs - p0
-                want = exp[e0: e0 + len(run) * bs].view(len(run), bs, *exp.shape[1:])
+                want = _bytes(exp[e0: e0 + len(run) * bs]).view(len(run), bs, *exp.shape[1:])
                 self.bytes_verified += act.numel() * act.element_size()
-                if torch.equal(act, want):
+                if torch.equal(act, want):  # bit for bit (no expected value is NaN)
                     rest = [k for k in range(len(todo)) if k not in set(run)]
                 else:
                     rest = list(range(len(todo)))
@@ -2057,9 +2086,19 @@ def _bit_table(values: Sequence[float], dtype: torch.dtype) -> tuple[str, list[i
     raise UsageError("value dtype", str(dtype), "float32, float64, float16 or bfloat16")
 
 
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """fp8 tensors as bytes (index_select / index_copy_ / index_fill_ have no fp8 kernels on CPU)."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+    """A float tensor as integers of its width: index_select / index_copy_ /
+    index_fill_ are bit copies then (fp8 has no such kernels on CPU, and the
+    integer ones are several times faster than bfloat16's)."""
+    return t.view(_RAW[t.element_size()]) if t.is_floating_point() else t
+
+
+def _nan_bits(dtype: torch.dtype) -> int:
+    """The integer whose bits are a NaN of ``dtype`` (see :func:`_bytes`)."""
+    return int(torch.tensor(float("nan"), dtype=dtype).view(_RAW[torch.empty((), dtype=dtype).element_size()]))
 
 
 def _poison_(t: torch.Tensor, fp8: bool) -> None:

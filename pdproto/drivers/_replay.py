@@ -118,6 +118,7 @@ def replay(
     skip: Iterable[str] = (),
     max_line_bytes: int = MAX_LINE_BYTES,
     max_memory: int | None = None,
+    threads: int | None = 1,
 ) -> ReplayResult:
     """Replay the history at ``path`` (``"-"``: standard input) on one paged
     KV pool per worker, with the monitor judging it.
@@ -126,12 +127,33 @@ def replay(
     workers.  Each shape option left None comes from the header (format
     1.1: ``kv``, and each worker's ``tp`` / ``pp``), else from the defaults
     (bfloat16, 1:1, 2 layers, 4 KV heads, head dim 8, block size 4, mha);
-    one given explicitly overrides the header.  ``policy``,
+    one given explicitly overrides the header.  ``threads``: torch's
+    intra-op threads during the replay (restored after; None leaves them):
+    the per-block copies and checks are small, and on a busy machine waking
+    threads for each costs more than it gains.  ``policy``,
     ``complete`` and ``skip`` are those of :func:`pdproto.audit`.  Needs
     torch (a :class:`~pdproto.UsageError` when it is missing)."""
     tb = load_torch_backend()
     skipped = check_invariant_ids(skip)
     _check_shapes(layers, kv_heads, head_dim, block_size)
+    if threads is not None and (type(threads) is not int or threads < 1):
+        raise UsageError("--threads", threads, "an integer >= 1")
+    torch = tb.torch
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _replay(tb, path, device, dtype, tp, layers, kv_heads, head_dim, block_size, layout, scale,
+                       policy, complete, skipped, max_line_bytes, max_memory)
+    finally:
+        if threads is not None:
+            torch.set_num_threads(before)
+
+
+def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | None, tp: str | None,
+            layers: int | None, kv_heads: int | None, head_dim: int | None, block_size: int | None,
+            layout: str | None, scale: str | None, policy: str | None, complete: bool, skipped: Any,
+            max_line_bytes: int, max_memory: int | None) -> ReplayResult:
     with open_history(os.fspath(path), max_line_bytes=max_line_bytes) as reader:
         monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
         limit = {} if max_memory is None else {"max_memory": max_memory}  # default: the backend's
