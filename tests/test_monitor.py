@@ -39,10 +39,10 @@ from pdproto import (
 )
 
 
-def run(entries, policy="push", complete=False, workers=WORKERS, skip=()):
+def run(entries, policy="push", complete=False, workers=WORKERS, skip=(), kv=None):
     """Feed labelled events (lines from 2, as after a header); return the
     violations and the label -> line map."""
-    m = Monitor(policy, complete=complete, workers=workers, skip=skip)
+    m = Monitor(policy, complete=complete, workers=workers, skip=skip, kv=kv)
     lines = {}
     for i, (label, event) in enumerate(entries):
         lines[label] = i + 2

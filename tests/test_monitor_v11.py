@@ -7,7 +7,8 @@ and the examples."""
 from __future__ import annotations
 
 from _toy_handoff import rename_event
-from make_examples import WORKERS, chunked, clean_shared_prefix, layerwise, shared_prefix_start
+from make_examples import chunked, clean_shared_prefix, layerwise, shared_prefix_start
+from test_monitor import run
 
 from pdproto import (
     Alloc,
@@ -30,17 +31,6 @@ from pdproto import (
     TransferStart,
     TransferWriteDone,
 )
-
-
-def run(entries, policy="push", complete=False, kv=None):
-    """Feed labelled events (lines from 2); return the violations and the label -> line map."""
-    m = Monitor(policy, complete=complete, workers=WORKERS, kv=kv)
-    lines = {}
-    for i, (label, event) in enumerate(entries):
-        lines[label] = i + 2
-        m.feed(event, i + 2)
-    m.finish()
-    return m.violations, lines
 
 
 def kinds(violations):

@@ -527,6 +527,19 @@ class Monitor:
         )
         del self._quarantine[wb]
 
+    def _double_allocation(self, event: Event, key: tuple[str, int], wb: tuple[str, int], why: str, line: int) -> None:
+        worker, b = wb
+        self._report(
+            "double-allocation",
+            line,
+            f"{event.EV} of {_fmt_gen(key)} takes block {b} on {worker!r}, {why}",
+            [self._lines.get(("alloc", wb))],
+            request=key[0],
+            gen=key[1],
+            worker=worker,
+            block=b,
+        )
+
     def _allocate(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], line: int) -> None:
         owner = self._owner
         shared = self._shared
@@ -536,32 +549,10 @@ class Monitor:
             if wb in self._quarantine:
                 self._take_quarantined(event, key, wb, line)
             elif shared and wb in shared:
-                holders = shared.pop(wb)
-                self._report(
-                    "double-allocation",
-                    line,
-                    f"{event.EV} of {_fmt_gen(key)} takes block {b} on {worker!r}, already shared by "
-                    f"{_gens_text(holders)}",
-                    [lines.get(("alloc", wb))],
-                    request=key[0],
-                    gen=key[1],
-                    worker=worker,
-                    block=b,
-                )
+                self._double_allocation(event, key, wb, f"already shared by {_gens_text(shared.pop(wb))}", line)
                 self._release_ticket_block(wb)
             elif wb in owner:
-                other = owner[wb]
-                self._report(
-                    "double-allocation",
-                    line,
-                    f"{event.EV} of {_fmt_gen(key)} takes block {b} on {worker!r}, already owned by "
-                    f"{_fmt_gen(other)}",
-                    [lines.get(("alloc", wb))],
-                    request=key[0],
-                    gen=key[1],
-                    worker=worker,
-                    block=b,
-                )
+                self._double_allocation(event, key, wb, f"already owned by {_fmt_gen(owner[wb])}", line)
                 self._release_ticket_block(wb)
             owner[wb] = key
             lines[("alloc", wb)] = line
@@ -1151,16 +1142,7 @@ class Monitor:
             held = owner.get(wb)
             holders = shared.get(wb)
             if held == key or (holders is not None and key in holders):
-                self._report(
-                    "double-allocation",
-                    line,
-                    f"share of {_fmt_gen(key)} takes block {b} on {worker!r}, which it already holds",
-                    [lines.get(("alloc", wb))],
-                    request=key[0],
-                    gen=key[1],
-                    worker=worker,
-                    block=b,
-                )
+                self._double_allocation(ev, key, wb, "which it already holds", line)
                 continue
             writers = self._writing.get(wb)
             if writers and not writing_reported:
