@@ -73,10 +73,10 @@ class _Pool:
 class _Gen:
     """One request's state while its steps are generated."""
 
-    def __init__(self, n: int, rng: random.Random, bs: int) -> None:
+    def __init__(self, n: int, rng: random.Random, bs: int, prompt: tuple[int, int]) -> None:
         self.rid = f"r{n}"
         self.ticket = f"t{n}"
-        self.prompt = rng.randint(4, 48)
+        self.prompt = rng.randint(*prompt)
         self.decodes = rng.randint(1, 9)
         self.p = PREFILL[rng.randrange(len(PREFILL))]
         self.d = DECODE[rng.randrange(len(DECODE))]
@@ -201,12 +201,15 @@ def generate(
     version: str | int = "1.1",
     concurrency: int = 12,
     block_size: int = 4,
+    prompt: tuple[int, int] = (4, 48),
 ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, int]]:
     """A clean history of at least ``events`` events (requests are admitted
     until that many were emitted, then drained): ``(header, events, stats)``.
     ``stats``: requests, chunked (two-transfer requests), shares, positions
     (prompt + decode positions over all requests: the KV a replay verifies),
-    events."""
+    events.  Prompt lengths are drawn from ``prompt`` (inclusive; at least 4)."""
+    if prompt[0] < 4 or prompt[1] < prompt[0]:
+        raise ValueError(f"prompt must be (lo, hi) with 4 <= lo <= hi, got {prompt!r}")
     if policy not in ("push", "pull"):
         raise ValueError(f"policy must be push or pull, got {policy!r}")
     if version not in (1, "1", "1.1"):
@@ -220,7 +223,7 @@ def generate(
     while running or len(out) < events:
         while len(out) < events and len(running) < concurrency:
             n += 1
-            g = _Gen(n, rng, block_size)
+            g = _Gen(n, rng, block_size, prompt)
             if v11:
                 g.chunked = g.prompt > 2 and rng.random() < 0.125
                 g.try_share = rng.random() < 0.125

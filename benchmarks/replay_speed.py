@@ -16,6 +16,11 @@ ends up with on its decode worker (prompt + decoded positions, all layers, K
 and V, all heads): what commit and decode verification must cover at least
 once.
 
+When both layouts replay the same history, the large layout also gets a
+*data path* figure: its KV bytes over its time minus the default layout's
+time (the per-event cost of parsing, the monitor and bookkeeping is the same
+at both layouts, so the difference is what the bytes cost).
+
 Targets: >= 5,000 events/s at the default layout; raw / verified <= 3 at
 the large layout.  The replay must find the history clean (exit 1 if not).
 
@@ -23,7 +28,8 @@ Usage::
 
     python benchmarks/replay_speed.py [--quick] [--events N] [--large-events N]
         [--layout default|large|both] [--policy push|pull] [--version 1|1.1]
-        [--seed S] [--device cpu|cuda] [--threads N] [--json] [--write FILE]
+        [--seed S] [--prompt LO:HI] [--device cpu|cuda] [--threads N] [--json]
+        [--write FILE]
 
 ``--events`` sizes the history (default 14,000, about 800 requests: the
 issue's reference point); ``--large-events`` replays a shorter history at
@@ -142,6 +148,18 @@ def run_layout(path: str, stats: dict, layout: str, device: str) -> dict:
     }
 
 
+def _data_path(runs: list[dict]) -> None:
+    """When both layouts replayed the same history, the large layout's extra
+    time over the default layout's is its bytes-proportional cost (events,
+    parsing and the monitor cost the same at both): add its throughput."""
+    by = {r["layout"]: r for r in runs}
+    d, big = by.get("default"), by.get("large")
+    if d and big and d["history"] == big["history"] and big["seconds"] > d["seconds"]:
+        rate = big["kv_bytes"] / (big["seconds"] - d["seconds"])
+        big["data_path_bytes_per_s"] = rate
+        big["raw_over_data_path"] = big["raw_copy_bytes_per_s"] / rate
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.3f} GiB/s" if x >= 2**24 else f"{x / 2**20:.2f} MiB/s"
 
@@ -156,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", choices=("push", "pull"), default="push")
     ap.add_argument("--version", choices=("1", "1.1"), default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt", default="4:48", metavar="LO:HI", help="prompt lengths drawn from [LO, HI]")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (torch.set_num_threads; default: torch's own)")
@@ -168,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     events = args.events or (400 if args.quick else 14_000)
     large_events = args.large_events or (120 if args.quick else events)
     version = args.version or ("1.1" if _reads_v11() else "1")
+    try:
+        lo, hi = (int(v) for v in args.prompt.split(":"))
+        if not 4 <= lo <= hi:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--prompt: LO:HI with 4 <= LO <= HI, got {args.prompt!r}")
     layouts = ("default", "large") if args.layout == "both" else (args.layout,)
 
     runs = []
@@ -177,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             n = large_events if layout == "large" else events
             if n not in histories:
                 header, evs, stats = _long_history.generate(n, seed=args.seed, policy=args.policy,
-                                                            version=version)
+                                                            version=version, prompt=(lo, hi))
                 path = os.path.join(tmp, f"history-{n}.jsonl")
                 _long_history.write(path, header, evs)
                 histories[n] = (path, stats)
@@ -187,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(dict(run_layout(path, stats, layout, args.device), history=stats))
         if args.write and events not in histories:
             header, evs, _ = _long_history.generate(events, seed=args.seed, policy=args.policy,
-                                                    version=version)
+                                                    version=version, prompt=(lo, hi))
             _long_history.write(args.write, header, evs)
 
     for path in _WARM:
         os.remove(path)
+    _data_path(runs)
     ok = all(r["ok"] for r in runs)
     out = {"version": version, "policy": args.policy, "seed": args.seed, "ok": ok,
            "threads": torch.get_num_threads(), "runs": runs,
@@ -207,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"        {r['seconds']:.2f} s, {r['events_per_s']:,.0f} events/s, verified KV "
                   f"{_gib(r['verified_bytes_per_s'])} of {r['kv_bytes'] / 2**20:.1f} MiB; raw copy_ "
                   f"{_gib(r['raw_copy_bytes_per_s'])}; raw / verified {r['raw_over_verified']:.1f}x")
+            if "raw_over_data_path" in r:
+                print(f"        data path (this time minus the default layout's on the same history): "
+                      f"{_gib(r['data_path_bytes_per_s'])}; raw / data path {r['raw_over_data_path']:.1f}x")
             if not r["ok"]:
                 print(f"        NOT CLEAN: {r['violations']} violations, first {r['first_violation']}")
         for r in runs:
