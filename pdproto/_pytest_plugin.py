@@ -38,22 +38,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def pdproto_fuzz(tmp_path: Any) -> Any:
-    """``fuzz(model, *, examples=None, steps=None, out=None) -> FuzzStats``.
+    """``fuzz(model, *, examples=None, steps=None, out=None, explain=False) -> FuzzStats``.
 
     Runs the model's Hypothesis state machine with the active settings
-    profile (``examples``/``steps`` override it).  On a violation the test
-    fails with a :class:`pdproto.testing.HandoffFailure`; its history is
-    written to ``out`` (default ``tmp_path / "failure.jsonl"``).
+    profile (``examples``/``steps`` override it; Hypothesis's explain phase
+    runs only with ``explain=True``).  On a violation the test fails with a
+    :class:`pdproto.testing.HandoffFailure`; its history is written to
+    ``out`` (default ``tmp_path / "failure.jsonl"``).
     """
-    from hypothesis import settings
+    from hypothesis import Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
     from .testing import handoff_machine
 
-    def fuzz(model: Any, *, examples: int | None = None, steps: int | None = None, out: Any = None) -> Any:
+    def fuzz(model: Any, *, examples: int | None = None, steps: int | None = None, out: Any = None,
+             explain: bool = False) -> Any:
         path = out if out is not None else tmp_path / "failure.jsonl"
         machine = handoff_machine(model, out=path)
-        overrides: dict[str, Any] = {"deadline": None}
+        phases = [p for p in settings().phases if explain or p is not Phase.explain]
+        if explain and Phase.explain not in phases:
+            phases.append(Phase.explain)
+        overrides: dict[str, Any] = {"deadline": None, "phases": phases, "report_multiple_bugs": False}
         if examples is not None:
             overrides["max_examples"] = examples
         if steps is not None:

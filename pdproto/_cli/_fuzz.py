@@ -55,7 +55,8 @@ def add_parser(sub: Any) -> None:
                    help="first count every reachable model state (breadth-first, up to MAX_STATES) "
                    "and report the fraction the fuzzing covered")
     p.add_argument("--explain", action="store_true",
-                   help="run Hypothesis's explain phase after shrinking (slow; off by default)")
+                   help="also run Hypothesis's own shrink and explain phases (off by default: the "
+                   "failure is shrunk exactly by replaying it)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -145,6 +146,8 @@ def _report(console: Any, result: dict[str, Any], failure: Any) -> None:
             table.add_row(key.replace("_", " "), str(result[key]))
     table.add_row("action kinds", ", ".join(f"{k} {n}" for k, n in result["action_kinds"].items()))
     table.add_row("fault kinds", ", ".join(f"{k} {n}" for k, n in result["fault_kinds"].items()) or "-")
+    phases = result.get("phase_seconds") or {}
+    table.add_row("phase seconds", ", ".join(f"{k} {v}" for k, v in phases.items() if v) or "-")
     if result["seed"] is not None:
         table.add_row("seed", str(result["seed"]))
     console.print(table)

@@ -25,6 +25,10 @@ from ..spec._monitor import Violation
 
 #: where ``pdproto fuzz`` keeps Hypothesis's example database
 DEFAULT_DATABASE = ".hypothesis/examples"
+#: the phases of a run whose wall seconds ``phase_seconds`` reports: replaying
+#: the example database, generating examples, shrinking a failure, and
+#: Hypothesis's explain phase (0 unless ``explain``)
+PHASE_NAMES = ("reuse", "generate", "shrink", "explain")
 
 
 class HandoffFailure(AssertionError):
@@ -301,11 +305,12 @@ def fuzz(
     if coverage_states is not None:
         stats.reachable = reachable_states(model, max_states=coverage_states)
     identity = f"pdproto-fuzz:{name}:{getattr(model, 'config', None)!r}"
-    t0 = time.perf_counter()
+    phases: dict[str, float] = {}
+    t0, c0 = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(io.StringIO()):
         failure = run_machine(model, examples=examples, steps=steps, seed=seed, out=out_path,
                               database=database, identity=identity, backend=backend, stats=stats,
-                              explain=explain)
+                              explain=explain, phase_seconds=phases)
     if failure is not None and out_path is not None:
         # with several distinct bugs Hypothesis replays each; the file must
         # hold the one reported here
@@ -315,6 +320,8 @@ def fuzz(
     counters["seconds"] = round(seconds, 3)
     counters["steps_per_second"] = round(stats.steps / seconds, 1) if seconds else 0.0
     counters["examples_per_second"] = round(stats.examples / seconds, 2) if seconds else 0.0
+    counters["cpu_seconds"] = round(time.process_time() - c0, 3)
+    counters["phase_seconds"] = {phase: round(phases.get(phase, 0.0), 3) for phase in PHASE_NAMES}
     return FuzzResult(model=name, expected=expected, seed=seed, seconds=seconds, counters=counters,
                       failure=failure, stats=stats)
 

@@ -1,13 +1,16 @@
 """The one place where pdproto reaches past Hypothesis's public API.
 
-Why: the fuzzer's action choice must *mean* an index (so that a shrunk or
-replayed example means the same action whatever the steering weights are),
-while fresh examples should pick indexes by those weights.  Hypothesis's
-public strategies offer no weighted integer draw; its engine does
-(``ConjectureData.draw_integer(..., weights=...)``).  This module uses it
-when the installed Hypothesis is one we tested (6.x) and it answers as
-expected, and falls back to the public uniform draw (``st.integers``)
-otherwise: fuzzing then finds bugs a little more slowly, but still works.
+Why: in the state machine of :func:`pdproto.testing.handoff_machine` each
+step makes a choice that Hypothesis must record (so that it can replay and
+shrink the example).  Through the public API (``data.draw(strategy)``) a
+draw costs several times what the engine's own draws cost
+(``ConjectureData.draw_boolean`` / ``draw_integer``, the ones Hypothesis's
+stateful testing uses), and the public strategies offer no biased boolean.
+:class:`Draws` uses the engine's draws when the installed Hypothesis is one
+we tested (6.x) and they answer as expected, and falls back to public draws
+(``st.integers``) otherwise: fuzzing then still works.
+:func:`phase_statistics` reads the time Hypothesis spent in each phase
+through its statistics hook (nothing where the hook is missing).
 
 The example database is kept apart per model and configuration with the
 public :class:`hypothesis.database.ExampleDatabase` interface
@@ -16,49 +19,89 @@ public :class:`hypothesis.database.ExampleDatabase` interface
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Mapping
 
 import hypothesis
 from hypothesis import strategies as st
 from hypothesis.database import ExampleDatabase
 
-#: the Hypothesis major versions whose engine has the weighted integer draw
-#: used below (checked against 6.170)
+#: the Hypothesis major versions whose engine draws are used below (checked
+#: against 6.155)
 TESTED_MAJOR = 6
-#: the share of a weighted draw given to the weights; the rest is uniform over
-#: every index (so every index stays reachable)
-WEIGHTED_SHARE = 0.96
-#: the engine's weighted draw accepts at most this many weighted values
-MAX_WEIGHTED = 255
 
-_weighted_ok = [getattr(hypothesis, "__version_info__", (0,))[0] == TESTED_MAJOR]
+_engine_ok = [getattr(hypothesis, "__version_info__", (0,))[0] == TESTED_MAJOR]
 
 
-def weighted_draw_available() -> bool:
-    """Whether :func:`weighted_index` uses the engine's weighted draw (False
-    on an untested Hypothesis, or after the engine refused it once)."""
-    return _weighted_ok[0]
+def engine_draws_available() -> bool:
+    """Whether :class:`Draws` uses the engine's draws (False on an untested
+    Hypothesis, or after the engine refused them once)."""
+    return _engine_ok[0]
 
 
-def weighted_index(data: Any, weights: Sequence[float], label: str) -> int:
-    """Draw an index into ``len(weights)`` candidates from ``st.data()``.
+class Draws:
+    """The choices of one example, drawn from ``st.data()``.
 
-    The drawn value is the index alone; the weights only shape how often
-    fresh examples pick each one.  A uniform public draw where the engine's
-    weighted draw is not available."""
-    n = len(weights)
-    if n == 1:
-        return 0
-    total = sum(weights)
-    if total > 0 and n <= MAX_WEIGHTED and _weighted_ok[0]:
-        scale = WEIGHTED_SHARE / total
-        w = {i: x * scale for i, x in enumerate(weights) if x > 0}
-        try:
-            return data.conjecture_data.draw_integer(0, n - 1, weights=w)
-        except (AttributeError, TypeError):  # the engine changed: no weighted draw
-            _weighted_ok[0] = False
-    return data.draw(st.integers(0, n - 1), label=label)
+    Every method is one recorded choice (or two), so that Hypothesis can
+    replay and shrink the example; each shrinks toward the choice that
+    changes least (let the walk choose)."""
+
+    __slots__ = ("data", "cd")
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self.cd = getattr(data, "conjecture_data", None) if _engine_ok[0] else None
+
+    def _refused(self) -> None:
+        _engine_ok[0] = False
+        self.cd = None
+
+    def integer(self, lo: int, hi: int, label: str) -> int:
+        """An integer in ``lo..hi`` (shrinks toward ``lo``)."""
+        if self.cd is not None:
+            try:
+                return self.cd.draw_integer(lo, hi)
+            except (AttributeError, TypeError):
+                self._refused()
+        return self.data.draw(st.integers(lo, hi), label=label)
+
+    def override(self, n: int, one_in: int) -> int:
+        """0 (about ``one_in - 1`` times in ``one_in`` when fresh: let the
+        walk choose), or ``1..n``: the caller's option ``i - 1``.  Shrinks
+        toward 0."""
+        if self.cd is not None:
+            try:
+                if not self.cd.draw_boolean(1.0 / one_in):
+                    return 0
+                return 1 + self.cd.draw_integer(0, n - 1)
+            except (AttributeError, TypeError):
+                self._refused()
+        if self.data.draw(st.integers(0, one_in - 1), label="override") < one_in - 1:
+            return 0
+        return 1 + self.data.draw(st.integers(0, n - 1), label="action")
+
+
+@contextlib.contextmanager
+def phase_statistics() -> Iterator[dict[str, float]]:
+    """Collect the wall seconds Hypothesis spends in each phase (``reuse``,
+    ``generate``, ``shrink``, ``explain``) of the test run inside the block;
+    the dict stays empty where Hypothesis has no statistics hook."""
+    seconds: dict[str, float] = {}
+
+    def note(stats: Mapping[str, Any]) -> None:
+        for key, value in stats.items():
+            if key.endswith("-phase") and isinstance(value, Mapping):
+                phase = key[: -len("-phase")]
+                seconds[phase] = seconds.get(phase, 0.0) + float(value.get("duration-seconds", 0.0))
+
+    try:
+        from hypothesis.statistics import collector
+    except ImportError:
+        yield seconds
+        return
+    with collector.with_value(note):
+        yield seconds
 
 
 class _Namespaced(ExampleDatabase):
@@ -96,4 +139,4 @@ def namespaced_database(inner: ExampleDatabase | None, identity: str) -> Example
     return _Namespaced(inner, hashlib.sha256(identity.encode()).digest())
 
 
-__all__ = ["weighted_index", "weighted_draw_available", "namespaced_database"]
+__all__ = ["Draws", "engine_draws_available", "phase_statistics", "namespaced_database"]

@@ -1,21 +1,32 @@
-"""The Hypothesis state machine that fuzzes a model (imports Hypothesis).
+"""How a model is fuzzed with Hypothesis (imports Hypothesis).
 
-:func:`handoff_machine` makes a subclass of :class:`HandoffMachine` bound to
-one model (its :class:`_Setup`); :func:`run_machine` runs it under given
-settings and returns the failure found, if any.  How a run explores (swarm,
-steering, backtracking, quiescence) is told in docs/testing.md.
+:class:`_Walk` runs one example: from the model's initial state it takes
+steps, feeds every event to a monitor and fails on a violation.
+:func:`run_machine` (what :func:`pdproto.fuzz` calls) runs examples under
+``@given(st.data())`` with one span and two recorded choices per step;
+:func:`handoff_machine` wraps the same walk in a Hypothesis
+``RuleBasedStateMachine`` for test authors.  How a walk explores (swarm,
+novelty, backtracking, routing, quiescence) is told in docs/testing.md.
+
+Replay: Hypothesis must be able to run a recorded example again and get the
+same steps (to shrink it, and to replay it from the example database).  A
+step's recorded choice is 0 ("let the walk choose") or ``i`` (enabled action
+``i - 1``).  The walk's own decisions look at what every earlier example
+visited, which changes from run to run; so each decision is remembered
+under a key that encodes the example's seed and every choice so far
+(:attr:`_Setup.decisions`), and an example replayed with the same choices
+gets the same decisions back.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import random
 import time
 from typing import Any, Callable, Sequence
 
 import attrs
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -32,26 +43,57 @@ from ..spec._events import Event
 from ..spec._history import write_history
 from ..spec._monitor import Monitor, Violation
 from ._fuzz import FuzzStats, HandoffFailure, canonical_function, fault_kind, pick_failure
-from ._hypothesis import namespaced_database, weighted_index
+from ._hypothesis import Draws, namespaced_database, phase_statistics
 
 #: How many progress steps teardown takes at most to reach quiescence.
 QUIESCE_LIMIT = 10_000
-#: the share of fresh choices left to the example's pseudo-random walk
-WALK_SHARE = 64.0
+#: a fresh step overrides the walk with a uniformly drawn action once in this many
+OVERRIDE_ONE_IN = 64
 #: how many walk decisions are remembered; past it the walk stops looking at
 #: what other runs visited (so that every decision stays replayable)
 DECISION_LIMIT = 2_000_000
-#: how much steering prefers an action leading to a state this example has not seen
-STEER_BOOST = 8.0
+#: routing toward a state with an unvisited successor searches at most this
+#: many known states
+ROUTE_LIMIT = 10_000_000
+#: a snapshot of the monitor is kept at least every this many steps of a path
+#: (and at every branch point), so that backtracking re-feeds few events
+SNAPSHOT_EVERY = 32
 #: swarm levels of an action kind: its weight relative to the others
 _LEVELS = (1.0, 4.0, 0.02)  # normal, hot, off (only as a last resort)
 #: how likely a step is a fault, when faults and progress are both enabled
 _FAULT_RATES = (0.3, 0.1, 0.5, 0.7)
+_MASK = (1 << 64) - 1
+#: decision tags (a step's own decision is tagged with its recorded choice, 0)
+_QUIET, _TEARDOWN = -1, -2
+
+
+def _mix(chain: int, value: int) -> int:
+    """The next decision key after ``value`` (a recorded choice, or a tag):
+    Python's hash of a tuple of integers, the same in every process."""
+    return hash((chain, value))
+
+
+def _unit(chain: int) -> float:
+    """A number in [0, 1) determined by ``chain`` (the walk's randomness)."""
+    return (((chain * 0xD6E8FEB86659FD93) & _MASK) >> 11) / float(1 << 53)
+
+
+def _pick(weights: Sequence[float], chain: int) -> int:
+    """An index drawn by ``weights`` (uniform when they are all 0)."""
+    total = sum(weights)
+    if total <= 0:
+        return int(_unit(chain) * len(weights))
+    x = _unit(chain) * total
+    for i, w in enumerate(weights):
+        x -= w
+        if x < 0:
+            return i
+    return len(weights) - 1
 
 
 @attrs.define
 class _Setup:
-    """What every run of one machine class shares."""
+    """What every example of one run (or of one machine class) shares."""
 
     model: Any
     header: Any
@@ -64,112 +106,218 @@ class _Setup:
     swarm: bool
     steer: bool
     quiesce: bool
-    #: (walk seed, state) -> the walk's pick: see HandoffMachine._walk_choice
+    #: decision key -> the walk's decision (see the module docstring)
     decisions: dict = attrs.field(factory=dict)
+    #: canonical state -> the canonical states of its successors, for every
+    #: state whose successors a walk looked at (what routing searches)
+    graph: dict = attrs.field(factory=dict)
+    #: shrink a failure (see _Shrinker) before raising it
+    shrink: bool = True
+    #: failing action sequence -> its shrunk failure (a replay shrinks at once)
+    shrunk: dict = attrs.field(factory=dict)
+    #: wall seconds spent shrinking
+    shrink_seconds: float = 0.0
 
 
-class HandoffMachine(RuleBasedStateMachine):
-    """Fuzzes ``setup.model`` (a subclass made by :func:`handoff_machine`
-    sets ``setup``).  Each example draws a swarm, then takes steps; after
-    each, the monitor and the model's state invariants are asked."""
+class _Pos:
+    """One position of the walk's path: a state, how it was reached, and
+    what the walk knows of its successors."""
 
-    setup: _Setup
+    __slots__ = ("state", "canon", "events", "enabled", "succ", "snapshot", "closed")
 
-    def __init__(self) -> None:
-        super().__init__()
-        fz = self.setup
-        self._t0 = time.perf_counter()
+    def __init__(self, state: Any, canon: Any, events: int) -> None:
+        self.state = state
+        self.canon = canon
+        self.events = events  # len(history) when the path reached it
+        self.enabled: list[Action] | None = None
+        self.succ: list | None = None  # (state, events, canon) per enabled action
+        self.snapshot: Monitor | None = None  # the monitor here, when kept
+        self.closed = False  # no successor left to visit (or none looked at)
+
+
+class _Walk:
+    """One example: a path from the initial state, its history and monitor.
+
+    ``step`` takes one step: the recorded choice overrides the walk (an
+    enabled action) or lets it choose.  The walk's choice, while no run has
+    failed and ``steer`` is on, goes to a state no example has visited yet:
+    among the current state's successors, else from the deepest earlier
+    position of the path that still has one (backtracking: the history is
+    cut there, no model step), else along the shortest known route to a
+    state that has one.  Otherwise it is drawn by the swarm's weights.
+    """
+
+    def __init__(self, setup: _Setup) -> None:
+        self.fz = setup
+        self.draws: Draws | None = None
+        self.chain = 0
         self.level: dict[str, float] = {}
-        self.fault_rate = 0.0 if not fz.swarm else _FAULT_RATES[0]
+        self.fault_rate = 0.0 if not setup.swarm else _FAULT_RATES[0]
         self.fault_delay = 0
         self.found: list[Violation] = []
+        self.failed = False
         self.episodes_here = 0
-        self.seen: set = set()  # states this example visited: what steering avoids
-        self.new_global = 0
-        fz.stats.examples += 1
-        self._new_episode()
+        self.seen: set = set()  # canonical states this example visited
+        self.plan: list = []  # canonical states of a route being followed
+        self.trace: list[tuple[str, Action, tuple[Event, ...]]] = []
+        self.events: list[Event] = []
+        self.path: list[_Pos] = []
+        self.monitor: Monitor | None = None
+        self.backend: Any = None
+        self.t0 = time.perf_counter()
+        setup.stats.examples += 1
+        self._start()
 
-    # -- helpers -------------------------------------------------------------
+    # -- the path -------------------------------------------------------------
 
-    def _new_episode(self, at: int = 0) -> None:
-        """Start an episode: from the initial state, or (``at`` > 0) from
-        step ``at`` of the episode that just ended (its history up to there
-        is kept and re-fed to a fresh monitor: no model step)."""
-        fz = self.setup
-        if at:
-            self.trace = self.trace[:at]
-            self.events = self.events[: self.path_events[at]]
-            self.path_states = self.path_states[: at + 1]
-            self.path_events = self.path_events[: at + 1]
-            self.state = self.path_states[at]
-        else:
-            self.state = fz.init
-            self.trace: list[tuple[str, Action, tuple[Event, ...]]] = []
-            self.events: list[Event] = []
-            self.path_states = [fz.init]  # the state after each step of the episode
-            self.path_events = [0]  # len(events) after each step
-        # a fresh monitor (and backend) replays the history kept so far
-        header = fz.header
-        self.monitor = Monitor(header.policy, complete=True, workers=header.workers)
-        self.backend = fz.backend(header) if fz.backend is not None else None
-        for line, event in enumerate(self.events, 2):
-            self.monitor.feed(event, line)
-            if self.backend is not None:
-                self.backend.apply(event, line)
-        self.episode_steps = at
+    @property
+    def state(self) -> Any:
+        return self.path[-1].state
+
+    def _fresh_monitor(self) -> Monitor:
+        return Monitor.from_header(self.fz.header, complete=True)
+
+    def _start(self) -> None:
+        fz = self.fz
+        canon = fz.canon(fz.init)
+        self.path = [_Pos(fz.init, canon, 0)]
+        self.monitor = self._fresh_monitor()
+        self.path[0].snapshot = self.monitor.copy()
+        self.backend = fz.backend(fz.header) if fz.backend is not None else None
         self.episodes_here += 1
         fz.stats.episodes += 1
-        self._visit(self.state)
+        self._visit(canon)
 
-    def _visit(self, state: Any) -> None:
-        key = self.setup.canon(state)
-        states = self.setup.stats.states
-        if key not in states:
-            states.add(key)
-            self.new_global += 1
-        self.seen.add(key)
+    def _visit(self, canon: Any) -> None:
+        states = self.fz.stats.states
+        if canon not in states:
+            states.add(canon)
+        self.seen.add(canon)
 
-    def _take(self, action: Action, nxt: Any = None) -> None:
-        fz = self.setup
+    def _back_to(self, at: int) -> None:
+        """Cut the path back to position ``at`` (a new episode from there):
+        the monitor from the nearest snapshot, the events after it re-fed
+        (and a backend, which keeps no snapshot, re-fed from the start)."""
+        fz = self.fz
+        del self.path[at + 1:]
+        del self.trace[at:]
+        pos = self.path[at]
+        del self.events[pos.events:]
+        k = at
+        while self.path[k].snapshot is None:
+            k -= 1
+        self.monitor = self.path[k].snapshot.copy()
+        for line in range(self.path[k].events + 2, pos.events + 2):
+            self.monitor.feed(self.events[line - 2], line)
+        if self.backend is not None:
+            self.backend = fz.backend(fz.header)
+            for line, event in enumerate(self.events, 2):
+                self.backend.apply(event, line)
+        self.episodes_here += 1
+        fz.stats.episodes += 1
+
+    def _enabled(self, pos: _Pos) -> list[Action]:
+        if pos.enabled is None:
+            pos.enabled = list(self.fz.model.actions(pos.state))
+        return pos.enabled
+
+    def _lookahead(self, pos: _Pos) -> list:
+        """The successors of ``pos`` (stepped once per position), noted in
+        the shared graph."""
+        if pos.succ is None:
+            fz = self.fz
+            step, canon = fz.model.step, fz.canon
+            succ = []
+            for a in self._enabled(pos):
+                nxt, events = step(pos.state, a)
+                succ.append((nxt, events, canon(nxt)))
+            pos.succ = succ
+            fz.graph[pos.canon] = tuple(s[2] for s in succ)
+        return pos.succ
+
+    def _take(self, pos: _Pos, i: int) -> None:
+        """Take enabled action ``i`` of ``pos`` (the last position)."""
+        fz = self.fz
         stats = fz.stats
-        if nxt is None:
-            nxt = fz.model.step(self.state, action)
-        state, events = nxt
-        self.state = state
-        self.trace.append((getattr(action, "actor", "?"), action, tuple(events)))
-        self.episode_steps += 1
+        action = pos.enabled[i]  # type: ignore[index]
+        if pos.succ is not None:
+            state, events, canon = pos.succ[i]
+        else:
+            state, events = fz.model.step(pos.state, action)
+            canon = fz.canon(state)
+        if pos.snapshot is None and self._keep_snapshot(pos):
+            pos.snapshot = self.monitor.copy()  # type: ignore[union-attr]
+        events = tuple(events)
+        self.trace.append((getattr(action, "actor", "?"), action, events))
         stats.steps += 1
         if stats.steps % stats.curve_every == 0:
             stats.curve.append((stats.steps, len(stats.states)))
         stats.actions[action.kind] += 1
         if action.fault:
             stats.faults[fault_kind(action)] += 1
+        monitor, backend, found = self.monitor, self.backend, self.found
         for event in events:
             self.events.append(event)
             line = len(self.events) + 1  # the header is line 1
-            self.found.extend(self.monitor.feed(event, line))
-            if self.backend is not None:
-                self.found.extend(self.backend.apply(event, line))
-        self._visit(state)
-        self.path_states.append(state)
-        self.path_events.append(len(self.events))
+            out = monitor.feed(event, line)  # type: ignore[union-attr]
+            if out:
+                found.extend(out)
+            if backend is not None:
+                found.extend(backend.apply(event, line))
+        self._visit(canon)
+        self.path.append(_Pos(state, canon, len(self.events)))
+
+    def _keep_snapshot(self, pos: _Pos) -> bool:
+        """Whether to keep the monitor at ``pos`` before stepping on: where
+        the walk may come back (another successor is still unvisited), and
+        every SNAPSHOT_EVERY positions."""
+        at = len(self.path) - 1
+        if at % SNAPSHOT_EVERY == 0:
+            return True
+        if pos.succ is None:
+            return False
+        states = self.fz.stats.states
+        return sum(1 for s in pos.succ if s[2] not in states) > 1
+
+    # -- checks ------------------------------------------------------------------
 
     def _fail(self, violation: Violation, complete: bool = False) -> None:
         # a history cut at a safety violation is not complete: leak and
         # stuck apply only to one that ran until the system went quiet
-        fz = self.setup
-        written = attrs.evolve(fz.header, complete=complete)
-        if fz.out is not None:
-            write_history(fz.out, self.events, written)
-        failure = HandoffFailure(violation, self.trace, fz.out, self.events, written)
-        fz.stats.failure = failure
+        fz = self.fz
+        self.failed = True
         if fz.stats.found_at is None:
             fz.stats.found_at = fz.stats.examples
+        trace, events = self.trace, self.events
+        if fz.shrink:
+            key = tuple(a for _, a, _ in trace)
+            shrunk = fz.shrunk.get(key)
+            if shrunk is None:
+                t0 = time.perf_counter()
+                shrunk = fz.shrunk[key] = _Shrinker(fz).shrink(key)
+                fz.shrink_seconds += time.perf_counter() - t0
+            if shrunk is not None:
+                trace, events, violation, complete = shrunk
+        written = attrs.evolve(fz.header, complete=complete)
+        if fz.out is not None:
+            write_history(fz.out, events, written)
+        failure = HandoffFailure(violation, trace, fz.out, events, written)
+        fz.stats.failure = failure
         raise failure
+
+    def check(self) -> None:
+        """The monitor's violations and the model's state invariants."""
+        if self.found:
+            self._fail(self.found[0])
+        state = self.state
+        for name, holds in self.fz.invariants.items():
+            if not holds(state):
+                self._fail(Violation(f"model:{name}", len(self.events) + 1,
+                                     f"the model's state invariant {name!r} does not hold"))
 
     def _end_of_history(self) -> None:
         """The system is quiet: the end-of-history checks."""
-        end = self.monitor.end_violations()
+        end = self.monitor.end_violations()  # type: ignore[union-attr]
         if end:
             self._fail(end[0], complete=True)
         if self.backend is not None:
@@ -177,180 +325,399 @@ class HandoffMachine(RuleBasedStateMachine):
             if data:
                 self._fail(data[0], complete=True)
 
-    def _level(self, kind: str, data: Any) -> float:
-        level = self.level.get(kind)
-        if level is None:
-            if self.setup.swarm:
-                level = _LEVELS[data.draw(st.integers(0, 2), label=f"swarm: {kind}")]
-            else:
-                level = 1.0
-            self.level[kind] = level
-        return level
+    # -- drawing ------------------------------------------------------------------
 
-    # -- rules ---------------------------------------------------------------
+    def begin(self, draws: Draws) -> None:
+        """The example's first choices: the walk's seed, then the swarm (first,
+        so that they vary even where Hypothesis fills the rest of an example
+        with its simplest choices)."""
+        self.draws = draws
+        self.chain = draws.integer(0, 2**32 - 1, "walk seed")
+        if self.fz.swarm:
+            rate = draws.integer(0, 3, "swarm: fault rate")
+            delay = draws.integer(0, 3, "swarm: progress first")
+            self.fault_rate, self.fault_delay = _FAULT_RATES[rate], delay * 4
+            self.chain = _mix(self.chain, 4 * rate + delay)
 
-    @initialize(data=st.data())
-    def choose_swarm(self, data: Any) -> None:
-        # first, so that it varies even where Hypothesis fills the rest of
-        # an example with its simplest choices
-        self.walk = data.draw(st.integers(0, 2**32 - 1), label="walk seed")
-        if self.setup.swarm:
-            self.fault_rate = _FAULT_RATES[data.draw(st.integers(0, 3), label="swarm: fault rate")]
-            self.fault_delay = data.draw(st.integers(0, 3), label="swarm: progress first") * 4
+    def _levels(self, enabled: Sequence[Action]) -> None:
+        """Draw the swarm level of every action kind not met before."""
+        level = self.level
+        for a in enabled:
+            kind = a.kind + ("!" if a.fault else "")
+            if kind not in level:
+                drawn = self.draws.integer(0, 2, f"swarm: {kind}")  # type: ignore[union-attr]
+                level[kind] = _LEVELS[drawn]
+                self.chain = _mix(self.chain, drawn)  # examples with other swarms part ways
 
-    @precondition(lambda self: not self.found)
-    @rule(data=st.data())
-    def step(self, data: Any) -> None:
-        if not self.setup.swarm and not self.setup.steer:
-            self._step_uniform(data)
-            return
-        for _ in range(1000):  # backtracking takes no model step
-            if self._step_weighted(data):
-                return
-
-    def _step_uniform(self, data: Any) -> None:
-        """The uninstrumented baseline: a uniform draw among the enabled actions."""
-        model = self.setup.model
-        enabled = model.actions(self.state)
-        if not enabled:
-            if not self.setup.quiesce:
-                return
-            self._end_of_history()
-            self._new_episode()
-            enabled = model.actions(self.state)
-        if enabled:
-            self._take(data.draw(st.sampled_from(enabled), label="action"))
-
-    def _step_weighted(self, data: Any) -> bool:
-        """One step by swarm and steering weights; False when it backtracked
-        instead (the caller tries again), True when done."""
-        fz = self.setup
-        enabled = fz.model.actions(self.state)
-        if not enabled:
-            if not fz.quiesce:
-                return True
-            self._end_of_history()
-            return not self._backtrack()
-        n = len(enabled)
-        succ: list = [None] * n
-        idx: Sequence[int] = range(n)
-        if fz.steer:
-            for i, a in enumerate(enabled):
-                succ[i] = fz.model.step(self.state, a)
-            fresh = [i for i in range(n) if fz.canon(succ[i][0]) not in self.seen]
-            if not fresh and self._backtrack():
-                return False
-            idx = fresh or idx
-        weights = self._swarm_weights(enabled, data) if fz.swarm else [1.0] * n
-        walk_w = [weights[i] for i in idx]
-        if fz.steer and len(idx) < n:
-            for i in idx:
-                weights[i] *= STEER_BOOST
-        # choice 0: the example's own pseudo-random walk among the candidates
-        # (seeded by a drawn seed, weighted by the swarm); choice i > 0:
-        # enabled[i - 1], whatever steering says, so a shrunk example keeps
-        # its meaning.  The weights only shape fresh generation.
-        total = sum(weights)
-        v = weighted_index(data, [total * WALK_SHARE] + weights, "action")
-        i = self._walk_choice(idx, walk_w, succ if fz.steer else None) if v == 0 else v - 1
-        # every choice re-seeds the walk: examples that Hypothesis derives
-        # from one another by changing a choice part ways there
-        self.walk = hash((self.walk, v, n))
-        self._take(enabled[i], succ[i])
-        return True
-
-    def _swarm_weights(self, enabled: Sequence[Action], data: Any) -> list[float]:
-        """Each enabled action's weight: the fault rate shared among faults,
-        the rest among progress actions, times its kind's swarm level."""
-        counts = collections.Counter(a.kind for a in enabled)
-        nfault = sum(1 for a in enabled if a.fault)
-        rate = 0.0 if self.episode_steps < self.fault_delay else self.fault_rate
-        if nfault == len(enabled):
+    def _weights(self, enabled: Sequence[Action], idx: Sequence[int]) -> list[float]:
+        """The swarm weight of each candidate ``enabled[i]``, ``i`` in ``idx``:
+        the fault rate shared among faults, the rest among progress actions,
+        times its kind's level."""
+        if not self.fz.swarm:
+            return [1.0] * len(idx)
+        cands = [enabled[i] for i in idx]
+        counts = collections.Counter(a.kind for a in cands)
+        nfault = sum(1 for a in cands if a.fault)
+        rate = 0.0 if len(self.trace) < self.fault_delay else self.fault_rate
+        if nfault == len(cands):
             rate = 1.0
         elif nfault == 0:
             rate = 0.0
-        weights = []
-        for a in enabled:
-            share = rate if a.fault else 1.0 - rate
-            weights.append(share * self._level(a.kind + ("!" if a.fault else ""), data) / counts[a.kind])
-        return weights
+        level = self.level
+        return [(rate if a.fault else 1.0 - rate) * level.get(a.kind + ("!" if a.fault else ""), 1.0) / counts[a.kind]
+                for a in cands]
 
-    def _walk_choice(self, idx: Sequence[int], w: list[float], succ: list | None) -> int:
-        """The walk's pick among the candidates ``idx``: toward a state no
-        run has visited yet when there is one, else by the weights.
+    def _exploring(self) -> bool:
+        fz = self.fz
+        return fz.steer and fz.stats.failure is None and len(fz.decisions) < DECISION_LIMIT
 
-        Using what other runs visited would make a run depend on more than
-        its own choices, and Hypothesis must be able to replay a choice
-        sequence exactly (to shrink a failure).  So each decision is
-        remembered under the walk's seed (which encodes every choice of the
-        run so far) and the state: replaying a choice sequence replays the
-        same decisions, whatever has been visited since.  Once a run failed,
-        new decisions no longer look at novelty (they would lead the
-        shrinker's candidates away from the failure)."""
-        fz = self.setup
-        decisions, canon = fz.decisions, fz.canon
-        key = (self.walk, canon(self.state))
-        i = decisions.get(key)
-        if i is not None:
-            return i
-        rng = random.Random(self.walk)
-        pool, weights = list(idx), w
-        if succ is not None and fz.stats.failure is None and len(decisions) < DECISION_LIMIT:
-            states = fz.stats.states
-            new = [(j, wj) for j, wj in zip(idx, w) if canon(succ[j][0]) not in states]
+    def _decide(self, tag: int, decide: Callable[[], Any]) -> Any:
+        """The walk's decision under key ``mix(chain, tag)``: the remembered
+        one, or a new one (remembered while exploring)."""
+        self.chain = _mix(self.chain, tag)
+        decisions = self.fz.decisions
+        found = decisions.get(self.chain)
+        if found is not None:
+            return found
+        made = decide()
+        if self._exploring():
+            decisions[self.chain] = made
+        return made
+
+    # -- steps ------------------------------------------------------------------
+
+    def step(self, override: bool = True) -> None:
+        """One step (none when the system is quiet and nothing is left to
+        back up to).  ``override``: draw whether to take an action of the
+        draw's choosing instead of the walk's (for Hypothesis's shrinker)."""
+        fz = self.fz
+        pos = self.path[-1]
+        enabled = self._enabled(pos)
+        if not enabled:
+            if not fz.quiesce:
+                return
+            self._end_of_history()
+            back = self._decide(_QUIET, self._quiet_back)
+            if back < 0:
+                return
+            self.plan = []
+            self._back_to(back)
+            pos = self.path[-1]
+            enabled = self._enabled(pos)
+        if fz.swarm:
+            self._levels(enabled)
+        v = self.draws.override(len(enabled), OVERRIDE_ONE_IN) if override else 0  # type: ignore[union-attr]
+        if v:
+            self.chain = _mix(self.chain, v)
+            self.plan = []
+            self._take(pos, v - 1)
+            return
+        back, i = self._decide(0, self._walk)
+        if back is not None:
+            self._back_to(back)
+        self._take(self.path[-1], i)
+
+    def _quiet_back(self) -> int:
+        """Where to back up to from a quiet state: the deepest position with
+        an unvisited successor while exploring, else one or two steps back
+        (-1: nowhere, the path is the initial state alone)."""
+        if self._exploring():
+            found = self._open_position()
+            if found is not None:
+                return found[0]
+        if len(self.path) == 1:
+            return -1
+        return max(0, len(self.path) - 2 - (self.chain & 1))
+
+    def _open_position(self) -> tuple[int, list[int]] | None:
+        """The deepest position of the path with successors no example has
+        visited, and their indexes.  Earlier positions found without one
+        (or never looked ahead from) are closed: novelty only runs out, so
+        they are not looked at again."""
+        states = self.fz.stats.states
+        last = len(self.path) - 1
+        for at in range(last, -1, -1):
+            pos = self.path[at]
+            if at == last:
+                succ = self._lookahead(pos)
+            elif pos.closed:
+                continue
+            elif pos.succ is None:
+                pos.closed = True
+                continue
+            else:
+                succ = pos.succ
+            new = [i for i, s in enumerate(succ) if s[2] not in states]
             if new:
-                pool, weights = [j for j, _ in new], [wj for _, wj in new]
-        i = pool[rng.choices(range(len(pool)), weights=weights if sum(weights) > 0 else None)[0]]
-        if len(decisions) < DECISION_LIMIT:
-            decisions[key] = i
-        return i
+                return at, new
+            if at < last:
+                pos.closed = True
+        return None
 
-    def _backtrack(self) -> bool:
-        """Go back one or two steps of the episode (nothing new ahead, or the
-        system went quiet): the search goes on next to where it was, deep in
-        the state space, instead of from the initial state.  False when there
-        is nowhere to go back to."""
-        if not self.trace:
-            return False
-        back = 1 + (self.walk & 1)
-        self.walk = hash((self.walk, -1))
-        self._new_episode(max(0, len(self.trace) - back))
-        return True
+    def _walk(self) -> tuple[int | None, int]:
+        """The walk's step: (position to back up to or None, action index)."""
+        pos = self.path[-1]
+        enabled = pos.enabled
+        if not self._exploring():
+            return None, _pick(self._weights(enabled, range(len(enabled))), self.chain)  # type: ignore[arg-type]
+        found = self._open_position()
+        if found is not None:
+            at, new = found
+            target = self.path[at]
+            w = self._weights(target.enabled, new)  # type: ignore[arg-type]
+            self.plan = []
+            return (None if at == len(self.path) - 1 else at), new[_pick(w, self.chain)]
+        succ = pos.succ  # looked at by _open_position
+        i = self._route_step(succ)  # type: ignore[arg-type]
+        if i is not None:
+            return None, i
+        if len(self.path) > 1:  # nothing open is reachable from here: from the start, then
+            first = self._lookahead(self.path[0])
+            self.plan = self._route(self.path[0].canon)
+            if self.plan:
+                want = self.plan.pop(0)
+                return 0, next(i for i, s in enumerate(first) if s[2] == want)
+        fresh = [i for i, s in enumerate(succ) if s[2] not in self.seen]  # type: ignore[union-attr]
+        idx = fresh or range(len(enabled))  # type: ignore[arg-type]
+        return None, idx[_pick(self._weights(enabled, idx), self.chain)]  # type: ignore[arg-type]
 
-    @invariant()
-    def monitor_is_clean(self) -> None:
-        if self.found:
-            self._fail(self.found[0])
-        for name, holds in self.setup.invariants.items():
-            if not holds(self.state):
-                self._fail(
-                    Violation(f"model:{name}", len(self.events) + 1,
-                              f"the model's state invariant {name!r} does not hold")
-                )
+    def _route_step(self, succ: list) -> int | None:
+        """The next step of the shortest known route to a state with an
+        unvisited successor (searched once, then followed)."""
+        if not self.plan:
+            self.plan = self._route(self.path[-1].canon)
+        if self.plan:
+            want = self.plan.pop(0)
+            for i, s in enumerate(succ):
+                if s[2] == want:
+                    return i
+            self.plan = []
+        return None
+
+    def _route(self, start: Any) -> list:
+        """Canonical states from ``start`` (excluded) to the nearest known
+        state with a successor no example visited, by breadth-first search
+        of the shared graph (at most ROUTE_LIMIT states); [] when none."""
+        graph, states = self.fz.graph, self.fz.stats.states
+        prev = {start: None}
+        queue = collections.deque([start])
+        while queue and len(prev) < ROUTE_LIMIT:
+            c = queue.popleft()
+            succ = graph.get(c)
+            if succ is None:
+                continue
+            if c != start and any(d not in states for d in succ):
+                route = []
+                while c != start:
+                    route.append(c)
+                    c = prev[c]
+                return route[::-1]
+            for d in succ:
+                if d not in prev:
+                    prev[d] = c
+                    queue.append(d)
+        return []
+
+    # -- the end ------------------------------------------------------------------
 
     def teardown(self) -> None:
+        """Drive the example to quiescence and apply the end-of-history checks
+        (unless it failed)."""
         try:
-            if self.setup.quiesce and not self.found and (self.episode_steps or self.episodes_here == 1):
+            if self.fz.quiesce and not self.failed and not self.found and (
+                    len(self.path) > 1 or self.episodes_here == 1):
                 self._quiesce()
         finally:
-            self.setup.stats.seconds += time.perf_counter() - self._t0
+            self.fz.stats.seconds += time.perf_counter() - self.t0
 
     def _quiesce(self) -> None:
-        model = self.setup.model
+        stats = self.fz.stats
         for _ in range(QUIESCE_LIMIT):
-            enabled = model.actions(self.state)
-            if not enabled:
+            pos = self.path[-1]
+            enabled = self._enabled(pos)
+            progress = [i for i, a in enumerate(enabled) if not a.fault]
+            if not progress:  # nothing, or only faults, is left: the system is quiet
                 break
-            progress = [a for a in enabled if not a.fault]
-            if not progress:  # only faults are left: the system is quiet
-                break
-            self._take(progress[0])
-            self.setup.stats.teardown_steps += 1
-            self.monitor_is_clean()
+            self._take(pos, self._decide(_TEARDOWN, lambda: self._progress_choice(pos, progress)))
+            stats.teardown_steps += 1
+            self.check()
         else:
             self._fail(Violation("no-quiescence", len(self.events) + 1,
                                  f"the system did not go quiet within {QUIESCE_LIMIT} steps"))
         self._end_of_history()
+
+    def _progress_choice(self, pos: _Pos, progress: list[int]) -> int:
+        """Teardown's step: a progress action leading to an unvisited state
+        while exploring, else the first."""
+        if self._exploring() and len(progress) > 1:
+            states = self.fz.stats.states
+            succ = self._lookahead(pos)
+            for i in progress:
+                if succ[i][2] not in states:
+                    return i
+        return progress[0]
+
+    # -- the uninstrumented baseline ---------------------------------------------
+
+    def step_uniform(self, data: Any) -> None:
+        """A uniform public draw among the enabled actions (no swarm, no
+        steering, no backtracking)."""
+        pos = self.path[-1]
+        enabled = self._enabled(pos)
+        if not enabled:
+            if not self.fz.quiesce:
+                return
+            self._end_of_history()
+            self._back_to(0)
+            pos = self.path[-1]
+            enabled = self._enabled(pos)
+        if enabled:
+            self._take(pos, data.draw(st.sampled_from(range(len(enabled))), label="action"))
+
+
+class _Shrinker:
+    """Shrinks a failing action sequence: deletes runs of steps, from long
+    runs to single steps, while the rest still fails.  Exact: every
+    candidate is replayed on the model, its events fed to a fresh monitor
+    (and backend), then driven to quiescence with progress actions (as
+    teardown does) and checked at its end; an action no longer enabled
+    where it comes is left out.  A candidate is kept when it fails (any
+    invariant, as Hypothesis's shrinker may slip to another bug) in fewer
+    steps."""
+
+    def __init__(self, setup: _Setup) -> None:
+        self.fz = setup
+
+    def shrink(self, actions: Sequence[Action]) -> tuple | None:
+        """(trace, events, violation, complete) of the shortest failure
+        found, or None when ``actions`` does not fail on replay."""
+        best = self.replay(actions)
+        if best is None:
+            return None
+        chunk = max(1, len(best[0]) // 2)
+        while True:
+            improved = False
+            cur = [a for _, a, _ in best[0]]
+            i = len(cur) - chunk
+            while i >= 0:  # from the end: a failure's cause is usually late
+                tried = self.replay(cur[:i] + cur[i + chunk:])
+                if tried is not None and len(tried[0]) < len(best[0]):
+                    best, improved = tried, True
+                    cur = [a for _, a, _ in best[0]]
+                    i = min(i, len(cur)) - chunk
+                else:
+                    i -= chunk
+            if chunk > 1:
+                chunk //= 2
+            elif not improved:
+                return best
+
+    def replay(self, actions: Sequence[Action]) -> tuple | None:
+        """Run ``actions`` (leaving out those not enabled); (trace, events,
+        violation, complete) when it fails, else None."""
+        fz = self.fz
+        model, header = fz.model, fz.header
+        state = fz.init
+        monitor = Monitor.from_header(header, complete=True)
+        backend = fz.backend(header) if fz.backend is not None else None
+        trace: list = []
+        events: list = []
+
+        def take(action: Action) -> Violation | None:
+            nonlocal state
+            state, evs = model.step(state, action)
+            evs = tuple(evs)
+            trace.append((getattr(action, "actor", "?"), action, evs))
+            found: list = []
+            for event in evs:
+                events.append(event)
+                line = len(events) + 1
+                found.extend(monitor.feed(event, line))
+                if backend is not None:
+                    found.extend(backend.apply(event, line))
+            if found:
+                return found[0]
+            for name, holds in fz.invariants.items():
+                if not holds(state):
+                    return Violation(f"model:{name}", len(events) + 1,
+                                     f"the model's state invariant {name!r} does not hold")
+            return None
+
+        for action in actions:
+            if action not in model.actions(state):
+                continue
+            v = take(action)
+            if v is not None:
+                return trace, events, v, False
+        for _ in range(QUIESCE_LIMIT):
+            progress = [a for a in model.actions(state) if not a.fault]
+            if not progress:
+                break
+            v = take(progress[0])
+            if v is not None:
+                return trace, events, v, False
+        else:
+            return trace, events, Violation("no-quiescence", len(events) + 1,
+                                             f"the system did not go quiet within {QUIESCE_LIMIT} steps"), True
+        end = monitor.end_violations()
+        if not end and backend is not None:
+            end = backend.finish()
+        if end:
+            return trace, events, end[0], True
+        return None
+
+
+class HandoffMachine(RuleBasedStateMachine):
+    """Fuzzes ``setup.model`` (a subclass made by :func:`handoff_machine`
+    sets ``setup``): one :class:`_Walk` per example, one walk step per rule
+    step, the checks as the invariant."""
+
+    setup: _Setup
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.walk = _Walk(self.setup)
+
+    @initialize(data=st.data())
+    def choose_swarm(self, data: Any) -> None:
+        self.walk.begin(Draws(data))
+
+    @precondition(lambda self: not self.walk.found and not self.walk.failed)
+    @rule(data=st.data())
+    def step(self, data: Any) -> None:
+        if not self.setup.swarm and not self.setup.steer:
+            self.walk.step_uniform(data)
+            return
+        self.walk.draws = Draws(data)
+        self.walk.step(True)
+
+    @invariant()
+    def monitor_is_clean(self) -> None:
+        self.walk.check()
+
+    def teardown(self) -> None:
+        self.walk.teardown()
+
+
+def _make_setup(model: Any, *, out: str | os.PathLike[str] | None, swarm: bool, steer: bool, quiesce: bool,
+                backend: Callable[[Any], Any] | None, stats: FuzzStats | None) -> _Setup:
+    from ..spec._history import HistoryHeader
+
+    return _Setup(
+        model=model, header=getattr(model, "header", None) or HistoryHeader(),
+        canon=canonical_function(model), invariants=dict(getattr(model, "invariants", None) or {}),
+        out=os.fspath(out) if out is not None else None,
+        stats=stats if stats is not None else FuzzStats(),
+        init=next(iter(model.initial_states())), backend=backend,
+        swarm=swarm, steer=steer, quiesce=quiesce,
+    )
+
+
+#: the phases of Hypothesis a fuzz run uses: no explain phase (it took about
+#: 95% of the time of a run that found a bug and changed nothing in the
+#: shrunk history), and no shrink phase: the walk shrinks a failure itself,
+#: exactly (_Shrinker), when it raises it
+PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
 
 
 def handoff_machine(
@@ -369,14 +736,13 @@ def handoff_machine(
     failure, so after shrinking it holds the minimal one).  ``swarm``: draw
     per example which action kinds and fault kinds are hot, normal or off,
     how eager it is to inject faults and after how many progress steps.
-    ``steer``: weight the choice toward actions whose next state no run has
-    visited yet (the weights only bias generation: a drawn choice means the
-    same action on replay, so shrinking and the example database work).
-    ``quiesce``: when the system goes quiet (nothing enabled), apply the
-    end-of-history checks (leak, stuck) and start a new episode from the
-    initial state; at teardown, drive the current episode to quiescence
-    (progress actions only: deliver, time out, finish) and check it.
-    ``backend``: a factory ``backend(header)`` of a data-level backend
+    ``steer``: the walk goes to states no run has visited yet, backing up
+    and routing to find them (a recorded choice means the same step on
+    replay, so shrinking and the example database work).  ``quiesce``: when
+    the system goes quiet (nothing enabled), apply the end-of-history checks
+    (leak, stuck) and back up; at teardown, drive the current run to
+    quiescence (progress actions only: deliver, time out, finish) and check
+    it.  ``backend``: a factory ``backend(header)`` of a data-level backend
     (``apply(event, line) -> violations``, ``finish() -> violations``, e.g.
     :class:`pdproto.TorchBackend`); its findings fail the run like the
     monitor's.  ``stats``: share a :class:`FuzzStats` between machines.
@@ -385,25 +751,21 @@ def handoff_machine(
     plain, uninstrumented baseline: one rule choosing uniformly among the
     enabled actions (``benchmarks/fuzz_speed.py`` compares against it).
 
-    The class has ``.TestCase`` (a unittest case, for pytest), ``.stats``
-    (a :class:`FuzzStats` shared by its runs) and ``.model``.
+    The class has ``.TestCase`` (a unittest case, for pytest; Hypothesis's
+    explain phase is off), ``.stats`` (a :class:`FuzzStats` shared by its
+    runs) and ``.model``.  :func:`pdproto.fuzz` runs the same walk faster,
+    without the state machine's per-step rule machinery.
     """
-    from ..spec._history import HistoryHeader
-
-    stats = stats if stats is not None else FuzzStats()
-    setup = _Setup(
-        model=model, header=getattr(model, "header", None) or HistoryHeader(),
-        canon=canonical_function(model), invariants=dict(getattr(model, "invariants", None) or {}),
-        out=os.fspath(out) if out is not None else None, stats=stats,
-        init=next(iter(model.initial_states())), backend=backend,
-        swarm=swarm, steer=steer, quiesce=quiesce,
-    )
+    setup = _make_setup(model, out=out, swarm=swarm, steer=steer, quiesce=quiesce, backend=backend,
+                        stats=stats)
     name = f"Fuzz_{_ident(getattr(model, 'name', type(model).__name__))}"
-    machine = type(HandoffMachine)(name, (HandoffMachine,), {"setup": setup, "stats": stats, "model": model,
-                                                             "__qualname__": name})
+    machine = type(HandoffMachine)(name, (HandoffMachine,), {"setup": setup, "stats": setup.stats,
+                                                             "model": model, "__qualname__": name})
     machine.TestCase.settings = settings(  # type: ignore[attr-defined]
         machine.TestCase.settings,  # type: ignore[attr-defined]
         deadline=None,
+        phases=[p for p in machine.TestCase.settings.phases if p is not Phase.explain],  # type: ignore[attr-defined]
+        report_multiple_bugs=False,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                HealthCheck.data_too_large],
     )
@@ -421,37 +783,72 @@ def _ident(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
+def _example(setup: _Setup, data: Any, steps: int) -> None:
+    """One example of :func:`run_machine`: the walk's seed and swarm (its
+    only recorded choices: a step's choice is the walk's, and a failure is
+    shrunk by :class:`_Shrinker`, not by Hypothesis), ``steps`` steps, then
+    teardown."""
+    walk = _Walk(setup)
+    try:
+        walk.begin(Draws(data))
+        walk.check()
+        for _ in range(steps):
+            walk.step(False)
+            walk.check()
+    finally:
+        walk.teardown()
+
+
 def run_machine(model: Any, *, examples: int, steps: int, seed: int | None, out: str | None,
                 database: str | None, identity: str, backend: Callable[[Any], Any] | None,
-                stats: FuzzStats, explain: bool = False) -> HandoffFailure | None:
-    """Run ``model``'s machine for ``examples`` examples of ``steps`` steps;
-    the (shrunk) failure, or None.  Anything else it raises propagates."""
+                stats: FuzzStats, explain: bool = False,
+                phase_seconds: dict[str, float] | None = None) -> HandoffFailure | None:
+    """Run ``model``'s walk for ``examples`` examples of at most ``steps``
+    steps; the (shrunk) failure, or None.  Anything else it raises
+    propagates.  ``phase_seconds`` receives the wall seconds of each of
+    Hypothesis's phases.
+
+    Exactly repeatable without a database: the same seed, model and
+    settings give the same examples in the same order (Hypothesis stops
+    generating at the first failure, rather than hunting for more bugs for
+    up to ten seconds of wall time)."""
     from hypothesis.database import DirectoryBasedExampleDatabase
 
-    machine = handoff_machine(model, out=out, backend=backend, stats=stats)
+    setup = _make_setup(model, out=out, swarm=True, steer=True, quiesce=True, backend=backend,
+                        stats=stats)
     db = DirectoryBasedExampleDatabase(database) if database is not None else None
-    test = get_state_machine_test(
-        machine,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            database=namespaced_database(db, identity),
-            suppress_health_check=list(HealthCheck),
-            print_blob=False,
-            phases=[p for p in Phase if explain or p is not Phase.explain],
-        ),
-    )
-    if seed is not None:
-        test = hseed(seed)(test)
-    try:
-        test()
-    except Exception as exc:
-        failure = pick_failure(exc)
-        if failure is None:
-            raise
-        return failure
+
+    @settings(max_examples=examples, deadline=None, database=namespaced_database(db, identity),
+              suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False,
+              phases=list(Phase) if explain else list(PHASES))
+    @given(st.data())
+    def fuzz_model(data: Any) -> None:
+        _example(setup, data, steps)
+
+    test = hseed(seed)(fuzz_model) if seed is not None else fuzz_model
+    with phase_statistics() as seconds:
+        try:
+            test()
+        except Exception as exc:
+            failure = pick_failure(exc)
+            if failure is None:
+                raise
+            return failure
+        finally:
+            if phase_seconds is not None:
+                phase_seconds.update(_phases(seconds, setup.shrink_seconds))
     return None
 
 
-__all__ = ["HandoffMachine", "handoff_machine", "uniform_machine", "run_machine", "QUIESCE_LIMIT"]
+def _phases(hypothesis: dict[str, float], shrink: float) -> dict[str, float]:
+    """Hypothesis's phase seconds with the walk's own shrinking moved to
+    ``shrink`` (it runs inside the example that failed: in the generate
+    phase, or in the reuse phase when the failure came from the database)."""
+    out = dict(hypothesis)
+    where = "generate" if out.get("generate", 0.0) >= shrink else "reuse"
+    out[where] = max(0.0, out.get(where, 0.0) - shrink)
+    out["shrink"] = out.get("shrink", 0.0) + shrink
+    return out
+
+
+__all__ = ["HandoffMachine", "handoff_machine", "uniform_machine", "run_machine", "QUIESCE_LIMIT", "PHASES"]
