@@ -14,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import ROOT  # noqa: E402
+from test_torch_backend import kv  # noqa: E402
+from test_torch_backend import run_backend as run  # noqa: E402
 
 from pdproto import (  # noqa: E402
     Commit,
@@ -21,7 +23,6 @@ from pdproto import (  # noqa: E402
     Finish,
     Free,
     HistoryHeader,
-    Monitor,
     PrefillDone,
     PrefillStart,
     Reserve,
@@ -42,21 +43,6 @@ def header(features=(), kv=None, workers=None, version="1.1"):
     if version == 1:
         return HistoryHeader(policy="push", workers=workers)
     return HistoryHeader(policy="push", version="1.1", features=frozenset(features), kv=kv, workers=workers)
-
-
-def run(events, hdr, **kw):
-    backend = TorchBackend(hdr, **kw)
-    monitor = Monitor.from_header(hdr)
-    for i, ev in enumerate(events):
-        monitor.feed(ev, i + 2)
-        backend.apply(ev, i + 2)
-    monitor.finish()
-    backend.finish()
-    return monitor, backend
-
-
-def kv(backend):
-    return [v for v in backend.violations if v.invariant == "kv-corruption"]
 
 
 def prefill(r, prompt, p, first=101, d=None):

@@ -67,7 +67,6 @@ import array
 import copy as _copy
 import importlib
 import struct
-import math
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
@@ -158,6 +157,14 @@ def _mix_py(*parts: int) -> int:
         x = (((x >> 16) ^ x) * _MUL) & _M32
         x = (x >> 16) ^ x
     return x
+
+
+def _position_hash(tag: int, position: int, code: int) -> int:
+    """32 bits of (tag, position, token code): the seed of a row's hashed dims."""
+    x = (tag * 0x9E3779B1 + position * 0x85EBCA77 + (code & _M32) * 0xC2B2AE3D + 0x51ED) & _M32
+    x = (((x >> 16) ^ x) * _MUL) & _M32
+    x = (((x >> 16) ^ x) * _MUL) & _M32
+    return (x >> 16) ^ x
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -930,10 +937,7 @@ class TorchBackend:
         for i, code in enumerate(codes):
             tag = tags[0] if one else tags[i]
             p = start + i
-            x = (tag * 0x9E3779B1 + p * 0x85EBCA77 + (code & _M32) * 0xC2B2AE3D + 0x51ED) & _M32
-            x = (((x >> 16) ^ x) * _MUL) & _M32
-            x = (((x >> 16) ^ x) * _MUL) & _M32
-            x = (x >> 16) ^ x
+            x = _position_hash(tag, p, code)
             buf.extend((enc[1 + tag % radix], enc[1 + (tag // radix) % radix], enc[1 + p % radix], enc[0]))
             buf.extend([enc[radix + 1 + (((x * m) & _M32) >> 20) % mod] for m in mults])
         out = torch.frombuffer(buf, dtype=self._vdtype).view(len(codes), 1, 1, 1, self.layout.head_dim)
@@ -948,10 +952,7 @@ class TorchBackend:
         for i, code in enumerate(codes):
             tag = tags[0] if one else tags[i]
             p = start + i
-            x = (tag * 0x9E3779B1 + p * 0x85EBCA77 + (code & _M32) * 0xC2B2AE3D + 0x51ED) & _M32
-            x = (((x >> 16) ^ x) * _MUL) & _M32
-            x = (((x >> 16) ^ x) * _MUL) & _M32
-            xs.append((x >> 16) ^ x)
+            xs.append(_position_hash(tag, p, code))
             heads.extend((1.0 + tag % radix, 1.0 + (tag // radix) % radix, 1.0 + p % radix, 0.0))
         T = len(codes)
         x = torch.frombuffer(xs, dtype=torch.int64).to(self.device).view(T, 1)
