@@ -27,10 +27,18 @@ def _event_subclasses(cls: type) -> set[type]:
     return out
 
 
+#: mappings that name some event kinds on purpose: the format 1.1 features
+#: (one of them, "share", is also the name of its event kind) and the kinds
+#: that exist only with a feature declared
+_NOT_PER_KIND = {"FEATURES", "FEATURE_KINDS"}
+
+
 def _per_kind_tables(module) -> dict[str, Mapping]:
     """The module-level mappings keyed by event classes or event kind names."""
     found = {}
     for name, value in vars(module).items():
+        if name in _NOT_PER_KIND:
+            continue
         if isinstance(value, Mapping) and value and any(k in CLASSES or k in KINDS for k in value):
             found[name] = value
     return found
