@@ -156,6 +156,25 @@ def test_clean_push_and_pull_handwritten():
     assert monitor.ok and backend.ok
 
 
+def test_statistics_count_the_data_work_with_the_given_clock():
+    """statistics(): bytes of each kind of data work (one handoff of 6
+    positions in 2 blocks, two decodes) and seconds from the clock given."""
+    ticks = iter(range(10**6))
+    monitor, backend = run_backend(handoff() + decodes(), clock=lambda: float(next(ticks)))
+    st = backend.statistics()
+    pos = backend.layout.block_bytes // backend.layout.block_size
+    assert monitor.ok and backend.ok
+    assert st.write_bytes == (6 + 2) * pos  # prefill's 6 positions, one per decode
+    assert st.copy_bytes == backend.bytes_copied == 2 * backend.layout.block_bytes
+    assert st.verify_bytes == backend.bytes_verified >= (6 + 2) * pos
+    assert st.poison_bytes == 4 * backend.layout.block_bytes  # the frees on P and D
+    assert st.write_seconds > 0 and st.copy_seconds > 0 and st.verify_seconds > 0 and st.poison_seconds > 0
+    assert st.verify_bytes_per_s == st.verify_bytes / st.verify_seconds
+    twin = backend.copy()
+    twin.apply(Submit("r2", 0, prompt_len=4, max_new_tokens=1), 99)
+    assert twin.statistics() == st and backend.statistics() == st
+
+
 def test_source_freed_after_read_done_and_reused_is_fine():
     # the read is over at read_done: a reuse afterwards must not change what lands
     events = handoff()[:6] + [

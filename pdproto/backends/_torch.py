@@ -67,6 +67,7 @@ import array
 import copy as _copy
 import importlib
 import struct
+import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
@@ -102,6 +103,7 @@ __all__ = [
     "KV_CORRUPTION_RULE",
     "DEFAULT_MAX_MEMORY",
     "TORCH_DTYPES",
+    "BackendStatistics",
     "KVCorruption",
     "KVLayout",
     "TorchBackend",
@@ -323,13 +325,48 @@ class KVCorruption(Violation):
         return out
 
 
+@attrs.frozen
+class BackendStatistics:
+    """What a :class:`TorchBackend`'s data work has cost so far
+    (:meth:`TorchBackend.statistics`, a snapshot).
+
+    Seconds are measured with the backend's ``clock`` (named by ``clock``;
+    default ``time.perf_counter``) around the tensor work only, not the
+    bookkeeping: ``write`` the KV that prefill, decode and probes write
+    (building the values and storing them), ``copy`` the transfers' copies
+    (and copy-on-write staging), ``verify`` commit, decode, final and
+    end-of-history checks (building the expected values, gathering and
+    comparing), ``poison`` frees, failed transfers and restarts.  Bytes are
+    the KV bytes each moved (``verify_bytes`` is ``bytes_verified``).  On
+    CUDA the seconds are host time (launching the work), not device time.
+    """
+
+    clock: str
+    write_seconds: float
+    write_bytes: int
+    copy_seconds: float
+    copy_bytes: int
+    verify_seconds: float
+    verify_bytes: int
+    poison_seconds: float
+    poison_bytes: int
+
+    @property
+    def verify_bytes_per_s(self) -> float:
+        """Verification throughput: verified KV bytes per second of verification."""
+        return self.verify_bytes / self.verify_seconds if self.verify_seconds > 0 else 0.0
+
+
+_WRITE, _COPY, _VERIFY, _POISON = range(4)
+
+
 class _Worker:
     """One worker's pools: ``parts[i] = (first layer, end layer, global heads)``
     and ``pools[i]`` its tensor (``scales[i]`` its fp8 scales)."""
 
     __slots__ = ("name", "role", "tp", "pp", "heads", "parts", "pools", "scales", "nblocks", "cap",
                  "stamp", "mod", "restart_stamp", "restart_line", "last_write", "origin", "stash",
-                 "static_scale", "lastw")
+                 "static_scale", "lastw", "pos_bytes")
 
     def __init__(self, name: str, role: str, tp: int, pp: int, parts: list[tuple[int, int, tuple[int, ...]]],
                  heads: list[list[int]], cap: int | None) -> None:
@@ -352,6 +389,7 @@ class _Worker:
         self.stash: dict[int, tuple] = {}  # freed block -> (stamp, rows, scale rows, origin)
         self.static_scale = 1.0
         self.lastw: dict[int, tuple] = {}  # block -> (slot, (tag, position, code), values per part) of a 1-slot write
+        self.pos_bytes = 0  # bytes of one position over every part
 
     def copy(self) -> "_Worker":
         n = object.__new__(_Worker)
@@ -469,7 +507,9 @@ class TorchBackend:
     head -> source global head) deliberately mis-routes heads, and
     ``drop_scales`` makes transfers leave fp8 per-block scales behind, and
     ``static_scales`` ({worker: scale}) gives a worker another per-tensor /
-    per-head scale: for tests.
+    per-head scale: for tests.  ``clock`` (default ``time.perf_counter``;
+    e.g. ``time.process_time``) times the data work that :meth:`statistics`
+    reports.
     """
 
     def __init__(
@@ -490,6 +530,7 @@ class TorchBackend:
         static_scales: Mapping[str, float] | None = None,
         min_blocks: int = 8,
         max_memory: int | None = DEFAULT_MAX_MEMORY,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         header = header if header is not None else HistoryHeader()
         kv = getattr(header, "kv", None)
@@ -541,6 +582,9 @@ class TorchBackend:
         self.line = 0
         self.bytes_copied = 0
         self.bytes_verified = 0
+        self._timer = clock if clock is not None else time.perf_counter
+        self._sec = [0.0, 0.0, 0.0, 0.0]  # write, copy, verify, poison (see statistics())
+        self._nbytes = [0, 0, 0, 0]  # write, staged copies, (bytes_verified), poison
         self._out: list[Violation] = []
         self._clock = 0
         self._workers: dict[str, _Worker] = {}
@@ -650,6 +694,16 @@ class TorchBackend:
     def ok(self) -> bool:
         return not self.violations
 
+    def statistics(self) -> BackendStatistics:
+        """A snapshot of the seconds and bytes of the data work so far
+        (:class:`BackendStatistics`)."""
+        sec, nb = self._sec, self._nbytes
+        return BackendStatistics(
+            getattr(self._timer, "__qualname__", repr(self._timer)),
+            sec[_WRITE], nb[_WRITE], sec[_COPY], self.bytes_copied + nb[_COPY],
+            sec[_VERIFY], self.bytes_verified, sec[_POISON], nb[_POISON],
+        )
+
     def copy(self) -> "TorchBackend":
         """An independent backend in the same state.  On CUDA the copy is made on
         the current stream after the side stream's pending copies (the new
@@ -677,6 +731,8 @@ class TorchBackend:
         d["_pending_events"] = {k: [] for k in self._pending_events}
         d["_reported"] = set(self._reported)
         d["_staging"] = {}
+        d["_sec"] = list(self._sec)
+        d["_nbytes"] = list(self._nbytes)
         if self.cuda:
             d["_stream"] = torch.cuda.Stream(device=self.device)
         new.__dict__ = d
@@ -792,6 +848,7 @@ class TorchBackend:
             parts = [(s * per, (s + 1) * per, tuple(hs)) for s in range(pp) for hs in heads]
             w = _Worker(name, role, tp, pp, parts, heads, declared.blocks if declared is not None else None)
             w.static_scale = float(self.static_scales.get(name, 1.0))
+            w.pos_bytes = sum((l1 - l0) * len(hs) for l0, l1, hs in parts) * L.kv * L.head_dim * L.elem_bytes
             first = min(self.min_blocks, w.cap) if w.cap is not None else self.min_blocks
             self._grow(w, self._reserve(w, max(first, 1), max(first, 1)))
             self._workers[name] = w
@@ -1011,6 +1068,7 @@ class TorchBackend:
         blocks = [s[0] for s in spans]
         self._worker(w.name, need=blocks)
         self._before_modify(w, blocks, line)
+        t_start = self._timer()
         L = self.layout
         one = len(tags) == 1
         chunk = max(bs, (8 << 20) // max(1, L.layers * L.kv * L.kv_heads * L.head_dim) // bs * bs)
@@ -1040,6 +1098,8 @@ class TorchBackend:
                     if a < b and not (batch and b - a == bs):
                         self._store(w, i, blk, a % bs, a % bs + (b - a),
                                     vals if (a == c0 and b == c1) else vals[a - c0: b - c0], tag0)
+        self._sec[_WRITE] += self._timer() - t_start
+        self._nbytes[_WRITE] += (spans[-1][2] - start) * w.pos_bytes
         if len(spans) == 1:
             self._touch(w, blocks, line, start % bs, (end - 1) % bs + 1 if end <= (start // bs + 1) * bs else bs)
         else:
@@ -1057,6 +1117,7 @@ class TorchBackend:
         if not blocks:
             return
         self._before_modify(w, blocks, line)
+        t_start = self._timer()
         L = self.layout
         full = lo == 0 and (hi is None or hi >= L.block_size)
         for b in blocks:
@@ -1078,6 +1139,8 @@ class TorchBackend:
             if L.fp8 and L.scale == "per-block" and full:
                 for b in blocks:
                     w.scales[i][b].fill_(float("nan"))
+        self._sec[_POISON] += self._timer() - t_start
+        self._nbytes[_POISON] += len(blocks) * ((hi if hi is not None else L.block_size) - lo) * w.pos_bytes
         self._touch(w, blocks, line, lo, hi)
         if self._shares:
             for b in blocks:
@@ -1206,7 +1269,10 @@ class TorchBackend:
                     scales.append(s[ids[0]: ids[0] + n].clone() if run else s.index_select(0, idx))
             return rows, scales
 
+        t_start = self._timer()
         t.staged = self._side(gather, [t.src])
+        self._sec[_COPY] += self._timer() - t_start
+        self._nbytes[_COPY] += n * self.layout.block_size * src.pos_bytes
         self._unregister_lazy(t)
 
     def _head_segments(self, src: _Worker, dst: _Worker) -> list:
@@ -1306,7 +1372,9 @@ class TorchBackend:
                         for d, s in [(d, s) for d, s in full_ids] + [(d, s) for d, s, _, _ in part_ids]:
                             dst.scales[di][d, :, dl[0]: dl[1]].copy_(ssc[pi][s, :, sl[0]: sl[1]])
 
+        t_start = self._timer()
         self._side(copy, [t.src, t.dst])
+        self._sec[_COPY] += self._timer() - t_start
         slots = sum(m[5] - m[4] for m in moves)
         self.bytes_copied += slots * moved[0] * L.kv * L.head_dim * L.elem_bytes
         self._unregister_lazy(t)
@@ -1452,7 +1520,9 @@ class TorchBackend:
         if not todo:
             return True
         self._main_touch(worker)
+        t_start = self._timer()
         ok = self._check_many(g, w, todo)
+        self._sec[_VERIFY] += self._timer() - t_start
         if ok is not None:
             bi, blk, lo, n, _st = todo[ok]
             self._report_wrong(g, w, blk, bi, bi * bs + lo, n - lo, what, line, witness, transfer, ticket)
@@ -1516,6 +1586,7 @@ class TorchBackend:
             return True
         self._worker(worker, need=[blk])
         self._main_touch(worker)
+        t_start = self._timer()
         tags, codes = self._expect(g, worker, p0 + s0, p0 + s1)
         rows = self._rows(tags, p0 + s0, codes)
         for i, (l0, l1, hs) in enumerate(w.parts):
@@ -1523,7 +1594,10 @@ class TorchBackend:
             if a >= b:
                 continue
             exp = self._qpart(a, b, hs) + rows
-            if not self._check(w, i, blk, s0, s1, exp, (a - l0, b - l0)):
+            ok = self._check(w, i, blk, s0, s1, exp, (a - l0, b - l0))
+            self._sec[_VERIFY] += self._timer() - t_start
+            t_start = self._timer()
+            if not ok:
                 self._report_wrong(g, w, blk, (p0 + s0) // self.layout.block_size, p0 + s0, s1 - s0, what,
                                    line, witness, transfer, ticket)
                 return False
