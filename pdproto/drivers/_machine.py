@@ -53,8 +53,9 @@ OVERRIDE_ONE_IN = 64
 #: what other runs visited (so that every decision stays replayable)
 DECISION_LIMIT = 2_000_000
 #: routing toward a state with an unvisited successor searches at most this
-#: many known states
-ROUTE_LIMIT = 10_000_000
+#: many known states around the current one (then it goes by way of the
+#: initial state)
+ROUTE_LIMIT = 2_000
 #: a snapshot of the monitor is kept at least every this many steps of a path
 #: (and at every branch point), so that backtracking re-feeds few events
 SNAPSHOT_EVERY = 32
@@ -111,6 +112,14 @@ class _Setup:
     #: canonical state -> the canonical states of its successors, for every
     #: state whose successors a walk looked at (what routing searches)
     graph: dict = attrs.field(factory=dict)
+    #: canonical state -> the one a walk first reached it from (the initial
+    #: state has none): a route from the initial state to any visited state
+    parent: dict = attrs.field(factory=dict)
+    #: visited states, in the order first visited: where an unvisited
+    #: successor may still be (checked when taken, latest first)
+    candidates: list = attrs.field(factory=list)
+    #: every state reachable from the initial one was visited (routing is over)
+    exhausted: bool = False
     #: shrink a failure (see _Shrinker) before raising it
     shrink: bool = True
     #: failing action sequence -> its shrunk failure (a replay shrinks at once)
@@ -186,12 +195,16 @@ class _Walk:
         self.backend = fz.backend(fz.header) if fz.backend is not None else None
         self.episodes_here += 1
         fz.stats.episodes += 1
-        self._visit(canon)
+        self._visit(canon, None)
 
-    def _visit(self, canon: Any) -> None:
-        states = self.fz.stats.states
+    def _visit(self, canon: Any, came_from: Any) -> None:
+        fz = self.fz
+        states = fz.stats.states
         if canon not in states:
             states.add(canon)
+            if came_from is not None:
+                fz.parent[canon] = came_from
+            fz.candidates.append(canon)
         self.seen.add(canon)
 
     def _back_to(self, at: int) -> None:
@@ -264,7 +277,7 @@ class _Walk:
                 found.extend(out)
             if backend is not None:
                 found.extend(backend.apply(event, line))
-        self._visit(canon)
+        self._visit(canon, pos.canon)
         self.path.append(_Pos(state, canon, len(self.events)))
 
     def _keep_snapshot(self, pos: _Pos) -> bool:
@@ -471,12 +484,15 @@ class _Walk:
         i = self._route_step(succ)  # type: ignore[arg-type]
         if i is not None:
             return None, i
-        if len(self.path) > 1:  # nothing open is reachable from here: from the start, then
+        if not self.fz.exhausted:  # nothing open near here: by way of the initial state
             first = self._lookahead(self.path[0])
-            self.plan = self._route(self.path[0].canon)
+            self.plan = self._route_from_start()
             if self.plan:
                 want = self.plan.pop(0)
-                return 0, next(i for i, s in enumerate(first) if s[2] == want)
+                for i, s in enumerate(first):
+                    if s[2] == want:
+                        return (0 if len(self.path) > 1 else None), i
+                self.plan = []
         fresh = [i for i, s in enumerate(succ) if s[2] not in self.seen]  # type: ignore[union-attr]
         idx = fresh or range(len(enabled))  # type: ignore[arg-type]
         return None, idx[_pick(self._weights(enabled, idx), self.chain)]  # type: ignore[arg-type]
@@ -484,7 +500,7 @@ class _Walk:
     def _route_step(self, succ: list) -> int | None:
         """The next step of the shortest known route to a state with an
         unvisited successor (searched once, then followed)."""
-        if not self.plan:
+        if not self.plan and not self.fz.exhausted:
             self.plan = self._route(self.path[-1].canon)
         if self.plan:
             want = self.plan.pop(0)
@@ -496,26 +512,46 @@ class _Walk:
 
     def _route(self, start: Any) -> list:
         """Canonical states from ``start`` (excluded) to the nearest known
-        state with a successor no example visited, by breadth-first search
-        of the shared graph (at most ROUTE_LIMIT states); [] when none."""
+        state that may have a successor no example visited (one of the
+        graph with such a successor, or one no walk looked ahead from), by
+        breadth-first search of the shared graph (at most ROUTE_LIMIT
+        states); [] when there is none that near."""
         graph, states = self.fz.graph, self.fz.stats.states
         prev = {start: None}
         queue = collections.deque([start])
         while queue and len(prev) < ROUTE_LIMIT:
             c = queue.popleft()
             succ = graph.get(c)
-            if succ is None:
-                continue
-            if c != start and any(d not in states for d in succ):
+            if c != start and (succ is None or any(d not in states for d in succ)):
                 route = []
                 while c != start:
                     route.append(c)
                     c = prev[c]
                 return route[::-1]
-            for d in succ:
+            for d in succ or ():
                 if d not in prev:
                     prev[d] = c
                     queue.append(d)
+        return []
+
+    def _route_from_start(self) -> list:
+        """Canonical states from the initial state (excluded) to the latest
+        visited state that may have an unvisited successor, along the way
+        it was first reached; [] (and the search is over) when none may."""
+        fz = self.fz
+        graph, states, candidates, parent = fz.graph, fz.stats.states, fz.candidates, fz.parent
+        while candidates:
+            c = candidates[-1]
+            succ = graph.get(c)
+            if succ is None or any(d not in states for d in succ):
+                route = []
+                while c in parent:
+                    route.append(c)
+                    c = parent[c]
+                if route:
+                    return route[::-1]
+            candidates.pop()
+        fz.exhausted = True
         return []
 
     # -- the end ------------------------------------------------------------------
