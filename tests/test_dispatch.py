@@ -30,7 +30,7 @@ def _event_subclasses(cls: type) -> set[type]:
 #: mappings that name some event kinds on purpose: the format 1.1 features
 #: (one of them, "share", is also the name of its event kind) and the kinds
 #: that exist only with a feature declared
-_NOT_PER_KIND = {"FEATURES", "FEATURE_KINDS"}
+_NOT_PER_KIND = {"FEATURES", "FEATURE_KINDS", "_FEATURE_FIELDS_OF"}
 
 
 def _per_kind_tables(module) -> dict[str, Mapping]:

@@ -357,3 +357,29 @@ def test_fast_and_careful_paths_agree_on_feature_fields():
     [(_, ev)] = read(v1)[1]
     assert ev.tokens is None and ev.extra == {"tokens": 3}
     assert "belongs to feature 'ranges'" in str(error(lines(V11 | {"features": ["kv"]}, XFER | {"tokens": 3})))
+
+
+def test_v11_with_no_features_refuses_feature_fields_and_kinds():
+    """An empty features list is version 1.1 without features, not version 1:
+    a ranged transfer there is an error, never a silently ignored range."""
+    empty = {"pdproto": "history", "version": "1.1", "features": []}
+    exc = error(lines(empty, XFER | {"tokens": [0, 4]}))
+    assert exc.line == 2 and "transfer_start.tokens belongs to feature 'ranges'" in str(exc)
+    exc = error(lines(empty, SHARE))
+    assert exc.line == 2 and "event kind 'share' belongs to feature 'share'" in str(exc)
+
+
+def test_writer_refuses_an_event_its_header_cannot_say(tmp_path):
+    from pdproto import UsageError
+
+    path = tmp_path / "out.jsonl"
+    share = Share("r2", 0, "P0", (0,), tokens=4)
+    ranged = TransferStart("x", "t", "r", 0, "P0", (0,), "D0", (1,), tokens=(0, 2))
+    for header in (None, HistoryHeader(), HistoryHeader(features={"ranges"})):
+        with pytest.raises(UsageError, match="feature"):
+            write_history(path, [share], header)
+    with pytest.raises(UsageError, match=r"\['ranges'\]"):
+        write_history(path, [ranged], HistoryHeader())
+    assert not path.exists()
+    assert write_history(path, [share, ranged], HistoryHeader(features={"share", "ranges"})) == 3
+    assert [e for _, e in read_events(path)] == [share, ranged]

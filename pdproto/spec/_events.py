@@ -420,15 +420,20 @@ def _feature_error(ev: str, name: str | None, feature: str, features: frozenset[
     )
 
 
-def event_from_dict(obj: object, features: Iterable[str] | None = None) -> Event:
+def event_from_dict(obj: object, features: Iterable[str] | None = None, *, legacy: bool = False) -> Event:
     """Parse one event object, strictly.
 
     ``features`` are the format 1.1 features the history declares (see
-    :data:`FEATURES`; None, the default, allows them all, an empty set reads
-    as version 1).  Raises :class:`HistoryFormatError` (without a line; the
-    reader adds it) naming the field and the offending value.
+    :data:`FEATURES`; None, the default, allows them all).  Using one that is
+    not declared is an error, except in a version 1 history (``legacy``),
+    which reads as it always did: a feature's event kind is unknown there and
+    a feature's field is an unknown extra key.  Raises
+    :class:`HistoryFormatError` (without a line; the reader adds it) naming the
+    field and the offending value.
     """
     allowed = None if features is None else frozenset(features)
+    if legacy:
+        allowed = frozenset()
     if not isinstance(obj, dict):
         raise HistoryFormatError(
             f"expected a JSON object, got {type(obj).__name__} {obj!r:.80}", value=obj
@@ -440,7 +445,7 @@ def event_from_dict(obj: object, features: Iterable[str] | None = None) -> Event
     if cls is not None and allowed is not None and ev in FEATURE_KINDS:
         feature = FEATURE_KINDS[ev]
         if feature not in allowed:
-            if not allowed:  # version 1: as unknown as it always was
+            if legacy:  # version 1: as unknown as it always was
                 cls = None
             else:
                 raise _feature_error(ev, None, feature, allowed)
@@ -459,7 +464,7 @@ def event_from_dict(obj: object, features: Iterable[str] | None = None) -> Event
     for name, kind in cls.FIELDS.items():
         feature = FEATURE_FIELDS.get((ev, name))
         if feature is not None and allowed is not None and feature not in allowed:
-            if allowed and name in obj:
+            if not legacy and name in obj:
                 raise _feature_error(ev, name, feature, allowed)
             extra_fields.add(name)  # version 1: an unknown extra key
             continue
@@ -555,7 +560,8 @@ def _make_fast_parser(cls: type[Event], features: frozenset[str] | None = None) 
 @functools.lru_cache(maxsize=None)
 def fast_parsers(features: frozenset[str] | None = None) -> Mapping[str, Callable[[dict], Event | None]]:
     """The generated parser of each event kind a history with these
-    ``features`` may contain (None: every feature)."""
+    ``features`` may contain (None: every feature).  A field of an undeclared
+    feature is left to :func:`event_from_dict`, which knows the version."""
     return {
         ev: _make_fast_parser(cls, features)
         for ev, cls in EVENT_TYPES.items()
@@ -565,13 +571,32 @@ def fast_parsers(features: frozenset[str] | None = None) -> Mapping[str, Callabl
 
 _FAST = fast_parsers()
 
+def features_used(event: Event) -> frozenset[str]:
+    """The format 1.1 features ``event`` uses (its kind's, and those of the
+    feature fields it sets)."""
+    used = set()
+    kind = FEATURE_KINDS.get(event.EV)
+    if kind is not None:
+        used.add(kind)
+    for name, feature in _FEATURE_FIELDS_OF.get(type(event), ()):
+        if getattr(event, name) is not None:
+            used.add(feature)
+    return frozenset(used)
+
+
+_FEATURE_FIELDS_OF = {
+    cls: tuple((name, f) for (ev, name), f in FEATURE_FIELDS.items() if ev == cls.EV)
+    for cls in EVENT_TYPES.values()
+    if any(ev == cls.EV for ev, _ in FEATURE_FIELDS)
+}
+
 #: The fields of each event kind that name a worker.
 WORKER_FIELDS: Mapping[type[Event], tuple[str, ...]] = {
     cls: tuple(f for f in ("worker", "src", "dst") if f in cls.FIELDS) for cls in EVENT_TYPES.values()
 }
 
 
-def parse_event(obj: object, features: frozenset[str] | None = None) -> Event:
+def parse_event(obj: object, features: frozenset[str] | None = None, legacy: bool = False) -> Event:
     """Like :func:`event_from_dict`, fast for well-formed input."""
     if type(obj) is dict:
         ev = obj.get("ev")
@@ -580,4 +605,4 @@ def parse_event(obj: object, features: frozenset[str] | None = None) -> Event:
             event = fast(obj)
             if event is not None:
                 return event
-    return event_from_dict(obj, features)
+    return event_from_dict(obj, features, legacy=legacy)

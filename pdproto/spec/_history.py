@@ -19,8 +19,24 @@ from typing import IO, Any, Iterable, Iterator, Mapping
 
 import attrs
 
-from .._errors import HistoryFormatError
-from ._events import FEATURES, WORKER_FIELDS, Event, TransferStart, fast_parsers, parse_event
+from .._errors import HistoryFormatError, UsageError
+from ._events import (
+    FEATURE_FIELDS,
+    FEATURE_KINDS,
+    FEATURES,
+    WORKER_FIELDS,
+    EVENT_TYPES,
+    Event,
+    TransferStart,
+    fast_parsers,
+    features_used,
+    parse_event,
+)
+
+#: the event classes that can use a format 1.1 feature
+_FEATURED = frozenset(EVENT_TYPES[ev] for ev in FEATURE_KINDS) | frozenset(
+    EVENT_TYPES[ev] for ev, _ in FEATURE_FIELDS
+)
 
 try:  # an optional accelerator: pip install 'pdproto[fast]'
     from orjson import loads as _fast_loads
@@ -538,7 +554,7 @@ class HistoryReader:
 
     def _parse(self, line: int, obj: object) -> Event:
         try:
-            event = parse_event(obj, self._features)
+            event = parse_event(obj, self._features, self.header.version == 1)
         except HistoryFormatError as exc:
             error = exc
             if _is_header(obj):
@@ -783,11 +799,17 @@ def read_events(
 
 
 class HistoryWriter:
-    """Write a history: the header first, then one event per line."""
+    """Write a history: the header first, then one event per line.
+
+    An event that uses a format 1.1 feature the header does not declare (a
+    ``share`` under a version 1 header, a ranged transfer without
+    ``"ranges"``) raises :class:`UsageError` and writes nothing: the file would
+    not read back as written.  No header is version 1."""
 
     def __init__(self, stream: IO[str], header: HistoryHeader | None = None) -> None:
         self._stream = stream
         self.line = 0
+        self.features = header.features if header is not None else frozenset()
         if header is not None:
             self._write(header.to_dict())
 
@@ -798,6 +820,14 @@ class HistoryWriter:
 
     def write(self, event: Event) -> int:
         """Write one event; returns its line number."""
+        if type(event) in _FEATURED:
+            missing = features_used(event) - self.features
+            if missing:
+                raise UsageError(
+                    "event", event,
+                    f"an event the header can say: it uses feature(s) {sorted(missing)}, which the header "
+                    f"does not declare (HistoryHeader(features=...))",
+                )
         self._write(event.to_dict())
         return self.line
 
