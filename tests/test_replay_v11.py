@@ -370,3 +370,9 @@ def test_rows_computed_by_python_and_by_torch_agree():
     codes = [0] * 5 + [7, 12345]
     narrow = torch.cat([backend._rows([3], p, [c]) for p, c in enumerate(codes)])
     assert torch.equal(narrow, backend._rows_wide([3], 0, codes))
+    # several tags, one code, positions past 2**32 and token codes near 2**32
+    start, tags, codes = 2**40 - 3, [5, 300, 70_000, 1, 2, 3, 4], [2**32 - 1, 0, 5, 2**32 - 2, 9, 9, 0]
+    narrow = torch.cat([backend._rows([t], start + p, [c]) for p, (t, c) in enumerate(zip(tags, codes))])
+    assert torch.equal(narrow, backend._rows_wide(tags, start, codes))
+    narrow = torch.cat([backend._rows([9], start + p, [4]) for p in range(7)])
+    assert torch.equal(narrow, backend._rows_wide([9], start, [4] * 7))

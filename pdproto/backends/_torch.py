@@ -71,6 +71,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from .._errors import LimitError, UsageError, parse_int
@@ -358,6 +359,8 @@ class BackendStatistics:
 
 
 _WRITE, _COPY, _VERIFY, _POISON = range(4)
+#: expected values are built and compared this many bytes at a time
+_CHUNK_BYTES = 2 << 20
 
 
 class _Worker:
@@ -601,6 +604,7 @@ class TorchBackend:
         self._pending_events: dict[str, list[Any]] = {}
         self._reported: set[tuple] = set()
         self._staging: dict[tuple, list[torch.Tensor]] = {}  # free staging buffers by row shape
+        self._scratch: dict[tuple, torch.Tensor] = {}  # expected values are built here (see _scratch_for)
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._vdtype = torch.float32 if L.fp8 else L.torch_dtype  # the dtype values are made in
         self._nan = 0x7F if L.fp8 else _nan_bits(L.torch_dtype)
@@ -613,6 +617,8 @@ class TorchBackend:
         # the bits of every value a row holds: codes 0..R, then hashed k / S for k in 0..A
         values = [float(c) for c in range(radix + 1)] + [k / div for k in range(half + 1)]
         self._acode, self._enc = _bit_table(values, self._vdtype)
+        self._enc_np = np.array(array.array(self._acode, self._enc)).view(_NP_BITS[self._acode])
+        self._mults_np = np.array(self._mults, dtype=np.uint64).reshape(1, -1)
         self._probe_tag = self._tag_of(_PROBE)
 
     # -- public --------------------------------------------------------------
@@ -731,6 +737,7 @@ class TorchBackend:
         d["_pending_events"] = {k: [] for k in self._pending_events}
         d["_reported"] = set(self._reported)
         d["_staging"] = {}
+        d["_scratch"] = {}
         d["_sec"] = list(self._sec)
         d["_nbytes"] = list(self._nbytes)
         if self.cuda:
@@ -1001,21 +1008,46 @@ class TorchBackend:
         return out if not self.cuda else out.to(self.device, non_blocking=False)
 
     def _rows_wide(self, tags: Sequence[int], start: int, codes: Sequence[int]) -> torch.Tensor:
-        """:meth:`_rows` with the hashed dims computed by torch (many of them)."""
+        """:meth:`_rows` computed with numpy for many positions at once: the
+        same bits (:func:`_position_hash` in unsigned 64-bit integers, whose
+        products wrap; only their low 32 bits are kept, as in Python), each
+        value looked up in the bit table."""
         radix = self._radix
-        one = len(tags) == 1
-        xs = array.array("q")
-        heads = array.array("f")
-        for i, code in enumerate(codes):
-            tag = tags[0] if one else tags[i]
-            p = start + i
-            xs.append(_position_hash(tag, p, code))
-            heads.extend((1.0 + tag % radix, 1.0 + (tag // radix) % radix, 1.0 + p % radix, 0.0))
         T = len(codes)
-        x = torch.frombuffer(xs, dtype=torch.int64).to(self.device).view(T, 1)
-        hashed = ((((x * self._mults_t) & _M32) >> 20) % (self._half + 1)).to(torch.float32) / self._div
-        code = torch.frombuffer(heads, dtype=torch.float32).to(self.device).view(T, _CODE_DIMS)
-        return torch.cat((code, hashed), dim=1).to(self._vdtype).view(T, 1, 1, 1, self.layout.head_dim)
+        enc = self._enc_np
+        u = np.uint64
+        i = np.arange(T, dtype=u)
+        if len(tags) == 1:
+            tag = tags[0]
+            base: Any = u((tag * 0x9E3779B1 + 0x51ED) & _M32)
+            lo: Any = enc[1 + tag % radix]
+            hi: Any = enc[1 + (tag // radix) % radix]
+        else:
+            t = np.array(tags, dtype=np.int64)
+            base = t.astype(u) * u(0x9E3779B1) + u(0x51ED)
+            lo, hi = enc[1 + t % radix], enc[1 + (t // radix) % radix]
+        if codes.count(codes[0]) == T:
+            code: Any = u(((codes[0] & _M32) * 0xC2B2AE3D) & _M32)
+        else:
+            code = (np.array([c & _M32 for c in codes], dtype=u)) * u(0xC2B2AE3D)
+        m32, mul = u(_M32), u(_MUL)
+        x = (((i + u(start & _M32)) * u(0x85EBCA77)) + code + base) & m32
+        x = (((x >> u(16)) ^ x) * mul) & m32
+        x = (((x >> u(16)) ^ x) * mul) & m32
+        x = (x >> u(16)) ^ x
+        mod = self._half + 1
+        if mod & (mod - 1) == 0:  # a power of two (every encoding's): bits 20.. of the low 32
+            k = ((x[:, None] * self._mults_np) >> u(20)) & u(mod - 1)
+        else:  # pragma: no cover - no such encoding
+            k = (((x[:, None] * self._mults_np) & m32) >> u(20)) % u(mod)
+        out = np.empty((T, self.layout.head_dim), dtype=enc.dtype)
+        out[:, 0] = lo
+        out[:, 1] = hi
+        out[:, 2] = enc[1 + (np.arange(T, dtype=np.int64) + start % radix) % radix]
+        out[:, 3] = enc[0]
+        out[:, _CODE_DIMS:] = enc[(radix + 1) + k.astype(np.int64)]
+        rows = torch.from_numpy(out).view(self._vdtype).view(T, 1, 1, 1, self.layout.head_dim)
+        return rows if not self.cuda else rows.to(self.device)
 
     def _values(self, tags: Sequence[int], start: int, codes: Sequence[int],
                 part: tuple[int, int, tuple[int, ...]], layers: tuple[int, int] | None = None) -> torch.Tensor:
@@ -1071,6 +1103,50 @@ class TorchBackend:
         t_start = self._timer()
         L = self.layout
         one = len(tags) == 1
+        if len(codes) > 1 and not L.fp8:
+            self._write_runs(w, spans, tags, start, codes)
+        else:
+            self._write_chunks(w, spans, tags, start, codes)
+        self._sec[_WRITE] += self._timer() - t_start
+        self._nbytes[_WRITE] += (spans[-1][2] - start) * w.pos_bytes
+        if len(spans) == 1:
+            self._touch(w, blocks, line, start % bs, (end - 1) % bs + 1 if end <= (start // bs + 1) * bs else bs)
+        else:
+            self._touch(w, blocks, line)
+        if self._shares:
+            for blk, p0, p1 in spans:
+                o = w.origin.setdefault(blk, [None] * bs)
+                for p in range(p0, p1):
+                    o[p % bs] = (tags[0] if one else tags[p - start]) if codes[p - start] == _PROMPT else None
+
+    def _write_runs(self, w: _Worker, spans: list[tuple[int, int, int]], tags: Sequence[int], start: int,
+                    codes: Sequence[int]) -> None:
+        """Write ``spans`` (block, first position, end position): the values are
+        built straight into the pool, one add per run of slots that follow
+        each other in the pool and in positions (whole consecutive blocks)."""
+        bs = self.layout.block_size
+        runs: list[list[int]] = []  # [first pool slot, first position, slots]
+        for blk, p0, p1 in spans:
+            f = blk * bs + p0 % bs
+            if runs and runs[-1][0] + runs[-1][2] == f and runs[-1][1] + runs[-1][2] == p0:
+                runs[-1][2] += p1 - p0
+            else:
+                runs.append([f, p0, p1 - p0])
+        rows = self._rows(tags, start, codes[: spans[-1][2] - start])
+        for i, (l0, l1, hs) in enumerate(w.parts):
+            q = self._qpart(l0, l1, hs)
+            pool = w.pools[i]
+            flat = pool.view((pool.shape[0] * bs,) + tuple(pool.shape[2:]))
+            for f, p, n in runs:
+                torch.add(q, rows[p - start: p - start + n], out=flat[f: f + n])
+
+    def _write_chunks(self, w: _Worker, spans: list[tuple[int, int, int]], tags: Sequence[int], start: int,
+                      codes: Sequence[int]) -> None:
+        """Write ``spans`` a chunk of positions at a time (fp8: quantized per
+        block; one position: its values are kept for the check that follows)."""
+        bs = self.layout.block_size
+        L = self.layout
+        one = len(tags) == 1
         chunk = max(bs, (8 << 20) // max(1, L.layers * L.kv * L.kv_heads * L.head_dim) // bs * bs)
         tag0 = tags[0]
         for c0 in range(start, spans[-1][2], chunk):
@@ -1078,39 +1154,16 @@ class TorchBackend:
             t = tags if one else tags[c0 - start: c1 - start]
             rows = self._rows(t, c0, codes[c0 - start: c1 - start])
             last = []
-            inner = [(blk, p0, p1) for blk, p0, p1 in spans if p0 >= c0 and p1 <= c1]
-            full = [blk for blk, p0, p1 in inner if p1 - p0 == bs]
-            batch = not L.fp8 and len(full) >= 3 and len(set(full)) == len(full) and len(full) == len(inner) - (inner[0][2] - inner[0][1] != bs) - (
-                len(inner) > 1 and inner[-1][2] - inner[-1][1] != bs)
             for i, (l0, l1, hs) in enumerate(w.parts):
                 vals = self._qpart(l0, l1, hs) + rows
                 last.append(vals)
-                if batch:  # the whole blocks in one index_copy_
-                    fb = [(blk, p0) for blk, p0, p1 in inner if p1 - p0 == bs]
-                    e0 = fb[0][1] - c0
-                    idx = torch.frombuffer(array.array("q", [b for b, _ in fb]), dtype=torch.int64)
-                    if self.cuda:
-                        idx = idx.to(self.device)
-                    _bytes(w.pools[i]).index_copy_(
-                        0, idx, _bytes(vals[e0: e0 + len(fb) * bs]).view(len(fb), bs, *vals.shape[1:]))
                 for blk, p0, p1 in spans:
                     a, b = max(p0, c0), min(p1, c1)
-                    if a < b and not (batch and b - a == bs):
+                    if a < b:
                         self._store(w, i, blk, a % bs, a % bs + (b - a),
                                     vals if (a == c0 and b == c1) else vals[a - c0: b - c0], tag0)
-        self._sec[_WRITE] += self._timer() - t_start
-        self._nbytes[_WRITE] += (spans[-1][2] - start) * w.pos_bytes
-        if len(spans) == 1:
-            self._touch(w, blocks, line, start % bs, (end - 1) % bs + 1 if end <= (start // bs + 1) * bs else bs)
-        else:
-            self._touch(w, blocks, line)
         if len(codes) == 1 and not L.fp8:
-            w.lastw[blocks[0]] = (start % bs, (tag0, start, codes[0]), last)
-        if self._shares:
-            for blk, p0, p1 in spans:
-                o = w.origin.setdefault(blk, [None] * bs)
-                for p in range(p0, p1):
-                    o[p % bs] = (tags[0] if one else tags[p - start]) if codes[p - start] == _PROMPT else None
+            w.lastw[spans[0][0]] = (start % bs, (tag0, start, codes[0]), last)
 
     def _poison(self, w: _Worker, blocks: Sequence[int], line: int, lo: int = 0, hi: int | None = None) -> None:
         blocks = [b for b in blocks if b < w.nblocks]
@@ -1455,8 +1508,10 @@ class TorchBackend:
         """Origin tag and token code expected at positions ``p0 .. p1-1`` of ``g`` on ``worker``."""
         prompt = self._prompt(g)
         orig = g.orig.get(worker)
-        tags, codes = [], []
         tag = g.tag
+        if p1 <= prompt and not orig:
+            return [tag], [_PROMPT] * (p1 - p0)
+        tags, codes = [], []
         for p in range(p0, p1):
             if p < prompt:
                 codes.append(_PROMPT)
@@ -1549,33 +1604,123 @@ class TorchBackend:
         p0, p1 = first[0] * bs + first[2], last[0] * bs + last[3]
         tags, codes = self._expect(g, w.name, p0, p1)
         rows = self._rows(tags, p0, codes)
-        fp8 = self.layout.fp8
+        if self.layout.fp8:
+            return self._check_each(w, todo, rows, p0)
+        # runs of entries whose slots follow each other both in the pool and
+        # in positions: [first entry, end entry, first pool slot, first position, slots]
+        groups: list[list[int]] = []
+        for k, (bi, blk, lo, n, _st) in enumerate(todo):
+            f, p = blk * bs + lo, bi * bs + lo
+            if groups:
+                gr = groups[-1]
+                if gr[2] + gr[4] == f and gr[3] + gr[4] == p:
+                    gr[1] = k + 1
+                    gr[4] += n - lo
+                    continue
+            groups.append([k, k + 1, f, p, n - lo])
         for i, (l0, l1, hs) in enumerate(w.parts):
-            exp = self._qpart(l0, l1, hs) + rows
-            # whole blocks at consecutive table indices: one gather, one comparison
-            run = [k for k, (bi, blk, lo, n, _st) in enumerate(todo) if lo == 0 and n == bs]
-            if (not fp8 and len(run) >= 3 and run == list(range(run[0], run[0] + len(run)))
-                    and todo[run[-1]][0] - todo[run[0]][0] == len(run) - 1):
-                ids = [todo[k][1] for k in run]
-                idx = torch.frombuffer(array.array("q", ids), dtype=torch.int64)
-                if self.cuda:
-                    idx = idx.to(self.device)
-                act = _bytes(w.pools[i]).index_select(0, idx)
-                e0 = todo[run[0]][0] * bs - p0
-                want = _bytes(exp[e0: e0 + len(run) * bs]).view(len(run), bs, *exp.shape[1:])
-                self.bytes_verified += act.numel() * act.element_size()
-                if _same(act, want):
-                    rest = [k for k in range(len(todo)) if k not in set(run)]
-                else:
-                    rest = list(range(len(todo)))
-            else:
-                rest = list(range(len(todo)))
-            for k in rest:
-                bi, blk, lo, n, _st = todo[k]
+            q = self._qpart(l0, l1, hs)
+            pool = w.pools[i]
+            flat = pool.view((pool.shape[0] * bs,) + tuple(pool.shape[2:]))  # [slots, layers, K/V, heads, D]
+            chunk, scratch = self._scratch_for(flat)
+            per = flat[0].numel() * flat.element_size()
+            for k0, k1, f, p, n in groups:
+                # expected values built in a reused buffer, compared with the pool's slots in place
+                for c0 in range(0, n, chunk):
+                    c = min(chunk, n - c0)
+                    e = p + c0 - p0
+                    exp = torch.add(q, rows[e: e + c], out=scratch[:c])
+                    self.bytes_verified += c * per
+                    if not _same(flat[f + c0: f + c0 + c], exp):
+                        bad = self._check_each(w, todo[k0:k1], rows, p0, only=i)
+                        return k0 + (bad or 0)
+        return None
+
+    def _check_each(self, w: _Worker, todo: list[tuple[int, int, int, int, int]], rows: torch.Tensor, p0: int,
+                    only: int | None = None) -> int | None:
+        """Check the entries of ``todo`` one by one (``rows``: the
+        position-dependent values from position ``p0``), on every part or
+        part ``only``: the index of the first wrong one (None if all hold)."""
+        bs = self.layout.block_size
+        for i, (l0, l1, hs) in enumerate(w.parts):
+            if only is not None and i != only:
+                continue
+            q = self._qpart(l0, l1, hs)
+            for k, (bi, blk, lo, n, _st) in enumerate(todo):
                 e0 = bi * bs + lo - p0
-                if not self._check(w, i, blk, lo, n, exp[e0: e0 + n - lo]):
+                if not self._check(w, i, blk, lo, n, q + rows[e0: e0 + n - lo]):
                     return k
         return None
+
+    def _scratch_for(self, flat: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(slots per chunk, a reused buffer of that many slots shaped like
+        ``flat``'s): expected values are built a chunk at a time (a few MiB,
+        so they are compared while still in cache, and never faulted in anew)."""
+        key = (tuple(flat.shape[1:]), flat.dtype)
+        buf = self._scratch.get(key)
+        if buf is None:
+            per = flat[0].numel() * flat.element_size()
+            rows = max(1, _CHUNK_BYTES // per)
+            buf = self._scratch[key] = torch.empty((rows,) + key[0], dtype=flat.dtype, device=flat.device)
+            self.memory += rows * per
+        return buf.shape[0], buf
+
+    def _verify_items(self, g: _Gen, worker: str, items: list[tuple[int, int, int, int]],
+                      layers: tuple[int, int] | None, line: int, what: str, witness: Iterable[int | None],
+                      transfer: str | None, ticket: str | None) -> bool:
+        """:meth:`_verify_slots` of each item (block, first position, slots,
+        first slot), in order, batched: the positions of consecutive items
+        follow each other, so one row build serves them all, and items whose
+        slots also follow each other in the pool are compared in one go."""
+        w = self._workers.get(worker)
+        if w is None or not items:
+            return True
+        contiguous = all(items[k][1] == items[k - 1][1] + items[k - 1][2] for k in range(1, len(items)))
+        if contiguous and not self.layout.fp8:
+            self._worker(worker, need=[it[0] for it in items])
+            self._main_touch(worker)
+            t_start = self._timer()
+            ok = self._same_items(g, w, items, layers)
+            self._sec[_VERIFY] += self._timer() - t_start
+            if ok:
+                return True
+        for blk, p, n, s0 in items:  # one by one: the first wrong item is reported
+            if not self._verify_slots(g, worker, blk, p - s0, s0, s0 + n, layers, line, what, witness,
+                                      transfer, ticket):
+                return False
+        return True
+
+    def _same_items(self, g: _Gen, w: _Worker, items: list[tuple[int, int, int, int]],
+                    layers: tuple[int, int] | None) -> bool:
+        """Do the items (see :meth:`_verify_items`) hold what ``g`` expects in ``layers``?"""
+        bs = self.layout.block_size
+        P0 = items[0][1]
+        tags, codes = self._expect(g, w.name, P0, items[-1][1] + items[-1][2])
+        rows = self._rows(tags, P0, codes)
+        runs: list[list[int]] = []  # [first pool slot, first position, slots]
+        for blk, p, n, s0 in items:
+            f = blk * bs + s0
+            if runs and runs[-1][0] + runs[-1][2] == f:
+                runs[-1][2] += n
+            else:
+                runs.append([f, p, n])
+        for i, (l0, l1, hs) in enumerate(w.parts):
+            a, b = (l0, l1) if layers is None else (max(l0, layers[0]), min(l1, layers[1]))
+            if a >= b:
+                continue
+            q = self._qpart(a, b, hs)
+            pool = w.pools[i]
+            flat = pool.view((pool.shape[0] * bs,) + tuple(pool.shape[2:]))[:, a - l0: b - l0]
+            chunk, scratch = self._scratch_for(flat)
+            per = flat[0].numel() * flat.element_size()
+            for f, p, n in runs:
+                for c0 in range(0, n, chunk):
+                    c = min(chunk, n - c0)
+                    exp = torch.add(q, rows[p - P0 + c0: p - P0 + c0 + c], out=scratch[:c])
+                    self.bytes_verified += c * per
+                    if not _same(flat[f + c0: f + c0 + c], exp):
+                        return False
+        return True
 
     def _verify_slots(self, g: _Gen, worker: str, blk: int, p0: int, s0: int, s1: int,
                       layers: tuple[int, int] | None, line: int, what: str, witness: Iterable[int | None],
@@ -2016,16 +2161,21 @@ class TorchBackend:
         for t in landed:
             if not t.moves:
                 self._plan(t)
+            items: list[tuple[int, int, int, int]] = []  # (block, first position, slots, first slot)
             for (i, sb, db, p0, s0, s1) in t.moves:
                 s1 = min(s1, prompt - p0)
                 if s0 >= s1:
                     continue
                 if p0 // bs >= len(table):
-                    self._report_missing(g, ev.worker, table, len(table) * bs, what, line, witness, t.tid, ev.ticket)
+                    if self._verify_items(g, ev.worker, items, t.layers, line, what, witness + [t.line], t.tid,
+                                          ev.ticket):
+                        self._report_missing(g, ev.worker, table, len(table) * bs, what, line, witness, t.tid,
+                                             ev.ticket)
                     return
-                if not self._verify_slots(g, ev.worker, table[p0 // bs], p0, s0, s1, t.layers, line, what,
-                                          witness + [t.line], t.tid, ev.ticket):
-                    return
+                items.append((table[p0 // bs], p0 + s0, s1 - s0, s0))
+            if not self._verify_items(g, ev.worker, items, t.layers, line, what, witness + [t.line], t.tid,
+                                      ev.ticket):
+                return
 
     def _on_decode(self, ev: Decode, line: int) -> None:
         key = (ev.request, ev.gen)
@@ -2161,6 +2311,9 @@ def _bit_table(values: Sequence[float], dtype: torch.dtype) -> tuple[str, list[i
     raise UsageError("value dtype", str(dtype), "float32, float64, float16 or bfloat16")
 
 
+#: the numpy dtype whose items a bit table's array typecode holds (bits of 16-bit floats as int16)
+_NP_BITS = {"f": np.float32, "d": np.float64, "H": np.int16}
+
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -2171,10 +2324,36 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(_RAW[t.element_size()]) if t.is_floating_point() else t
 
 
+def _load_memcmp() -> Callable[[int, int, int], int] | None:
+    """libc's ``memcmp`` through ctypes, or None where it cannot be found."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        name = ctypes.util.find_library("c")
+        fn = ctypes.CDLL(name).memcmp if name else None
+    except (ImportError, OSError, AttributeError):  # pragma: no cover - no libc
+        return None
+    if fn is None:  # pragma: no cover
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+_MEMCMP = _load_memcmp()
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit equal (no expected value is NaN, and a NaN's bits differ
-    from every value's), compared in the widest integers the rows allow:
-    several times faster than comparing bfloat16 elements."""
+    from every value's).  Contiguous CPU tensors of one shape and dtype are
+    compared with ``memcmp`` (a third faster than ``torch.equal`` on large
+    rows); others in the widest integers the rows allow (several times
+    faster than comparing bfloat16 elements)."""
+    if (_MEMCMP is not None and a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype
+            and a.shape == b.shape and a.is_contiguous() and b.is_contiguous()):
+        n = a.numel() * a.element_size()
+        return n == 0 or _MEMCMP(a.data_ptr(), b.data_ptr(), n) == 0
     width = a.shape[-1] * a.element_size()
     for size, dtype in ((8, torch.int64), (4, torch.int32)):
         if width % size == 0 and size > a.element_size():
