@@ -6,6 +6,9 @@ and the examples."""
 
 from __future__ import annotations
 
+import json
+import os
+
 from _toy_handoff import rename_event
 from make_examples import chunked, clean_shared_prefix, layerwise, shared_prefix_start
 from test_monitor import run
@@ -30,6 +33,7 @@ from pdproto import (
     TransferReadDone,
     TransferStart,
     TransferWriteDone,
+    event_from_dict,
 )
 
 
@@ -473,3 +477,50 @@ def test_random_histories_with_shares_and_ranges(evs, policy):
         assert all(len(holders) >= 2 for holders in a._shared.values())
     assert [v.invariant for v in a.finish()] == [v.invariant for v in b.finish()]
     assert [(v.invariant, v.line) for v in a.violations] == [(v.invariant, v.line) for v in b.violations]
+
+
+# -- with a block size (format 1.1): positions are blocks of the block table ---
+
+REVIEW = os.path.join(os.path.dirname(__file__), "data", "v11")
+
+
+def audit_file(name):
+    from pdproto import audit
+
+    return [(v.invariant, v.line) for v in audit(os.path.join(REVIEW, name)).violations]
+
+
+def test_a_whole_transfer_covers_only_the_blocks_it_writes():
+    """A prefix hit on P, and P sends only the blocks it computed: D's table
+    positions of the prefix never arrive (v1 counts any whole transfer as
+    everything; with a block size the monitor knows better)."""
+    assert audit_file("prefix-not-sent.jsonl") == [("commit-before-ready", 16)]
+
+
+def test_a_share_holds_what_its_blocks_can_hold():
+    """A share claiming 6 tokens of one 4-token block cannot switch readiness off."""
+    found = audit_file("share-claims-too-much.jsonl")
+    assert found == [("commit-before-ready", 15)]
+
+
+def test_a_decode_never_writes_a_shared_block():
+    """Both owners of a half-filled shared block decode into it."""
+    found = audit_file("decode-into-shared-block.jsonl")
+    assert found == [("foreign-block-access", 18), ("foreign-block-access", 19), ("foreign-block-access", 20)]
+
+
+def test_version_1_keeps_whole_transfers_as_everything():
+    """The same prefix-not-sent history without the share, as version 1 with a
+    block_size key: judged as always (no block arithmetic)."""
+    with open(os.path.join(REVIEW, "prefix-not-sent.jsonl"), encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    header = json.loads(lines[0])
+    header.update(version=1, block_size=4)
+    for key in ("features", "kv"):
+        header.pop(key)
+    body = [ln for ln in lines[1:] if '"share"' not in ln]
+    m = Monitor.from_header(HistoryHeader.from_dict(header))
+    assert m.block_size is None
+    for i, ln in enumerate(body):
+        m.feed(event_from_dict(json.loads(ln)), i + 2)
+    assert "commit-before-ready" not in kinds(m.violations)

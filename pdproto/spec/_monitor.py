@@ -238,6 +238,9 @@ class Monitor:
         "_owner": ("block", "gen"),  # blocks with exactly one owner
         "_shared": ("block", "gen-set"),  # blocks with two or more owners (through share)
         "_share_tokens": ("gen-worker", "same"),  # prefix positions a generation's shares hold there
+        # a generation's block table on a worker (its shared blocks, then its
+        # allocated ones), kept only when the block size is known (format 1.1)
+        "_tables": ("gen-worker", "block-tuples"),
         "_quarantine": ("block", "same"),
         "_reading": ("block", "id-set"),
         "_writing": ("block", "id-set"),
@@ -270,7 +273,7 @@ class Monitor:
         "failed": "id",
     }
     __slots__ = (
-        ("policy", "complete", "workers", "kv", "skip", "violations", "line", "events", "_out")
+        ("policy", "complete", "workers", "kv", "block_size", "skip", "violations", "line", "events", "_out")
         + _VERDICT
         + ("_lines",)  # witness bookkeeping, not part of key()
     )
@@ -283,13 +286,20 @@ class Monitor:
         workers: Mapping[str, WorkerSpec] | None = None,
         skip: Iterable[str] = (),
         kv: KVSpec | None = None,
+        block_size: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise UsageError("policy", policy, " or ".join(POLICIES))
+        if block_size is not None and (type(block_size) is not int or block_size < 1):
+            raise UsageError("block_size", block_size, "an integer >= 1, or None")
         self.policy = policy
         self.complete = complete
         self.workers = dict(workers) if workers is not None else None
         self.kv = kv  # its layers make a commit's readiness cover every layer
+        # tokens per block (format 1.1 only): positions become blocks of the
+        # block table, so readiness, prefix hits and decode writes are checked
+        # block by block
+        self.block_size = block_size if block_size is not None else (kv.block_size if kv is not None else None)
         self.skip = check_invariant_ids(skip)
         self.violations: list[Violation] = []
         self.line = 0
@@ -309,13 +319,17 @@ class Monitor:
         skip: Iterable[str] = (),
     ) -> "Monitor":
         """A monitor set up as a history header says; ``policy`` and
-        ``complete`` override it when given (``complete=True`` forces)."""
+        ``complete`` override it when given (``complete=True`` forces).  A
+        version 1.1 header's block size (``kv.block_size``, else its
+        ``block_size`` key) is used; version 1 is judged without it, as
+        always."""
         return cls(
             policy or header.policy,
             complete=header.complete or bool(complete),
             workers=header.workers,
             skip=skip,
             kv=header.kv,
+            block_size=header.block_size if header.version != 1 else None,
         )
 
     # -- public -------------------------------------------------------------
@@ -377,6 +391,7 @@ class Monitor:
         new.complete = self.complete
         new.workers = self.workers
         new.kv = self.kv
+        new.block_size = self.block_size
         new.skip = self.skip
         new.violations = list(self.violations)
         new.line = self.line
@@ -414,10 +429,12 @@ class Monitor:
         workers: Mapping[str, WorkerSpec] | None = None,
         skip: Iterable[str] = (),
         kv: KVSpec | None = None,
+        block_size: int | None = None,
     ) -> "Monitor":
         """A new monitor (set up as :class:`Monitor` is) in the verdict state
         ``key``, a :meth:`key` value."""
-        return cls(policy, complete=complete, workers=workers, skip=skip, kv=kv).with_key(key)
+        return cls(policy, complete=complete, workers=workers, skip=skip, kv=kv,
+                   block_size=block_size).with_key(key)
 
     @classmethod
     def renamed_key(cls, key: tuple, names: Any, blocks: Mapping[tuple[str, int], int] | None = None) -> tuple:
@@ -556,6 +573,20 @@ class Monitor:
                 self._release_ticket_block(wb)
             owner[wb] = key
             lines[("alloc", wb)] = line
+        if self.block_size is not None:
+            self._extend_table(key, worker, blocks, own=True)
+
+    def _extend_table(self, key: tuple[str, int], worker: str, blocks: tuple[int, ...], own: bool) -> None:
+        """Append ``blocks`` to the generation's shared (``own=False``) or
+        allocated part of its block table on ``worker``."""
+        shared, mine = self._tables.get((key, worker), ((), ()))
+        wbs = tuple((worker, b) for b in blocks)
+        self._tables[(key, worker)] = (shared, mine + wbs) if own else (shared + wbs, mine)
+
+    def _table(self, key: tuple[str, int], worker: str) -> tuple[int, ...]:
+        """The generation's block table on ``worker``, as block ids."""
+        shared, mine = self._tables.get((key, worker), ((), ()))
+        return tuple(b for _, b in shared + mine)
 
     def _release_ticket_block(self, wb: tuple[str, int]) -> None:
         ticket = self._block_ticket.pop(wb, None)
@@ -829,12 +860,12 @@ class Monitor:
         for tid in tids:
             t = self._transfers[tid]
             if t.dst == ev.worker and t.write_done and not t.failed and not t.lost:
-                if t.layers is None and t.tokens is None:
-                    ready = True
+                if t.layers is None and t.tokens is None and self.block_size is None:
+                    ready = True  # version 1: a whole transfer moves everything
                     break
                 ranged.append(t)
         gap = None
-        if not ready and (ranged or self._share_tokens):
+        if not ready and (ranged or self._share_tokens or self.block_size is not None):
             gap = self._readiness_gap(key, ev.worker, tids, ranged)
             ready = gap is None
         if not ready:
@@ -904,7 +935,17 @@ class Monitor:
         if not landed:
             return (0, layers), (start, end)
         everything = (0, max(layers, end, 1))
-        rects = [(t.layers or everything, t.tokens or everything) for t in landed]
+        rects = []
+        for t in landed:
+            if t.tokens is None and self.block_size is not None:
+                # whole blocks: the positions of the table entries it wrote
+                bs, table = self.block_size, self._table(key, worker)
+                for b in t.dst_blocks:
+                    if b in table:
+                        i = table.index(b)
+                        rects.append((t.layers or everything, (i * bs, (i + 1) * bs)))
+            else:
+                rects.append((t.layers or everything, t.tokens or everything))
         return _coverage_gap(rects, layers, start, end)
 
     def _on_decode(self, ev: Decode, line: int) -> None:
@@ -927,6 +968,8 @@ class Monitor:
                 worker=ev.worker,
             )
         self._owned_by(ev, key, ev.worker, ev.blocks, "reads", line)
+        if self.block_size is not None and self._shared:
+            self._decode_write(ev, key, line)
         g = self._gens.get(key, _NEW_GEN)
         progress = self._progress.get(key)
         if progress is None:
@@ -936,6 +979,30 @@ class Monitor:
             self._next_decode(ev, key, g, progress, line)
             self._progress[key] = (progress[0] + 1, ev.position, ev.output_token)
         self._lines[("decode", key)] = line
+
+    def _decode_write(self, ev: Decode, key: tuple[str, int], line: int) -> None:
+        """A decode writes the KV of its position into the block that holds
+        it: never into a block another generation shares."""
+        i = ev.position // self.block_size  # type: ignore[operator]
+        if i >= len(ev.blocks):
+            return
+        wb = (ev.worker, ev.blocks[i])
+        holders = self._shared.get(wb)
+        if holders is None:
+            return
+        others = holders - {key}
+        self._report(
+            "foreign-block-access",
+            line,
+            f"decode of {_fmt_gen(key)} on {ev.worker!r} writes position {ev.position} into block "
+            f"{wb[1]}, which {_gens_text(others)} share{'s' if len(others) == 1 else ''}: a shared "
+            f"prefix is never written",
+            [self._lines.get(("alloc", wb))],
+            request=ev.request,
+            gen=ev.gen,
+            worker=ev.worker,
+            block=wb[1],
+        )
 
     def _first_decode(self, ev: Decode, key: tuple[str, int], g: _Gen, line: int) -> None:
         witness = [self._lines.get(("prefill_done", key)), self._lines.get(("submit", key))]
@@ -1170,7 +1237,12 @@ class Monitor:
             else:
                 owner[wb] = key  # a free block whose cached KV the share revives
             lines[("alloc", wb)] = line
-        self._share_tokens[(key, worker)] = ev.tokens
+        tokens = ev.tokens
+        if self.block_size is not None:
+            self._extend_table(key, worker, ev.blocks, own=False)
+            # a share holds what its blocks can hold, whatever it claims
+            tokens = min(tokens, len(self._tables[(key, worker)][0]) * self.block_size)
+        self._share_tokens[(key, worker)] = tokens
 
     def _on_restart(self, ev: Restart, line: int) -> None:
         worker = ev.worker
@@ -1185,6 +1257,8 @@ class Monitor:
                     self._quarantine[wb] = True
         for gw in [gw for gw in self._share_tokens if gw[1] == worker]:
             del self._share_tokens[gw]
+        for gw in [gw for gw in self._tables if gw[1] == worker]:
+            del self._tables[gw]
         for ticket in [t for t in self._ticket_left if self._tickets[t].worker == worker]:
             self._close_ticket(ticket)
         for tid in list(self._inflight):
@@ -1281,6 +1355,7 @@ def _rename_functions(names: Mapping[str, str], blocks: Mapping[tuple[str, int],
         "id-tuple": lambda v: tuple(map(rn, v)),
         "gen-set": lambda v: frozenset(map(gk, v)),
         "gen-worker": lambda k: (gk(k[0]), rn(k[1])),
+        "block-tuples": lambda v: tuple(tuple(map(wb, part)) for part in v),
         "transfer": transfer,
         "ticket": lambda t: t._replace(gen=gk(t.gen), worker=rn(t.worker)),
     }
