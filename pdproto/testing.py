@@ -18,13 +18,19 @@ Each example:
 1. starts from the model's first initial state with a fresh monitor;
 2. draws a *swarm* (which fault kinds are on in this example, and how eager
    it is to inject them) so that different examples stress different faults;
-3. takes steps: each step draws one of the enabled actions, preferring
-   actions that lead to a state this example has not visited yet;
+3. takes steps toward states no example has visited yet, backing up (no
+   model step) and routing when none is next to it; a step's recorded
+   choice can also name an enabled action outright (what Hypothesis
+   shrinks);
 4. after every step, the invariant asks the monitor (and the model's own
    state invariants, if any);
 5. at teardown drives the system to quiescence with progress actions only
    (deliver, time out, finish) and applies the end-of-history checks, so
    leaks and stuck requests are found too.
+
+A failure is shrunk exactly (its steps replayed with runs of them left out)
+before it is raised.  Hypothesis's explain phase is off in the machines'
+settings and in :data:`PROFILES`.
 
 A failure raises :class:`HandoffFailure` (an AssertionError) whose message is
 the monitor's violation and a numbered step table; the history is written

@@ -56,9 +56,11 @@ DECISION_LIMIT = 2_000_000
 #: many known states around the current one (then it goes by way of the
 #: initial state)
 ROUTE_LIMIT = 2_000
-#: a snapshot of the monitor is kept at least every this many steps of a path
-#: (and at every branch point), so that backtracking re-feeds few events
-SNAPSHOT_EVERY = 32
+#: a snapshot of the monitor is kept every this many positions of a path;
+#: backing up restores the nearest one and re-feeds the events after it
+#: (a copy costs about what re-feeding three steps does, and the walk backs
+#: up about every other step, mostly by one or two)
+SNAPSHOT_EVERY = 4
 #: swarm levels of an action kind: its weight relative to the others
 _LEVELS = (1.0, 4.0, 0.02)  # normal, hot, off (only as a last resort)
 #: how likely a step is a fault, when faults and progress are both enabled
@@ -258,7 +260,7 @@ class _Walk:
         else:
             state, events = fz.model.step(pos.state, action)
             canon = fz.canon(state)
-        if pos.snapshot is None and self._keep_snapshot(pos):
+        if pos.snapshot is None and (len(self.path) - 1) % SNAPSHOT_EVERY == 0:
             pos.snapshot = self.monitor.copy()  # type: ignore[union-attr]
         events = tuple(events)
         self.trace.append((getattr(action, "actor", "?"), action, events))
@@ -279,18 +281,6 @@ class _Walk:
                 found.extend(backend.apply(event, line))
         self._visit(canon, pos.canon)
         self.path.append(_Pos(state, canon, len(self.events)))
-
-    def _keep_snapshot(self, pos: _Pos) -> bool:
-        """Whether to keep the monitor at ``pos`` before stepping on: where
-        the walk may come back (another successor is still unvisited), and
-        every SNAPSHOT_EVERY positions."""
-        at = len(self.path) - 1
-        if at % SNAPSHOT_EVERY == 0:
-            return True
-        if pos.succ is None:
-            return False
-        states = self.fz.stats.states
-        return sum(1 for s in pos.succ if s[2] not in states) > 1
 
     # -- checks ------------------------------------------------------------------
 
@@ -366,10 +356,12 @@ class _Walk:
         """The swarm weight of each candidate ``enabled[i]``, ``i`` in ``idx``:
         the fault rate shared among faults, the rest among progress actions,
         times its kind's level."""
-        if not self.fz.swarm:
+        if not self.fz.swarm or len(idx) == 1:
             return [1.0] * len(idx)
         cands = [enabled[i] for i in idx]
-        counts = collections.Counter(a.kind for a in cands)
+        counts: dict[str, int] = {}
+        for a in cands:
+            counts[a.kind] = counts.get(a.kind, 0) + 1
         nfault = sum(1 for a in cands if a.fault)
         rate = 0.0 if len(self.trace) < self.fault_delay else self.fault_rate
         if nfault == len(cands):
