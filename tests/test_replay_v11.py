@@ -353,6 +353,30 @@ def test_verification_is_linear_in_the_kv_written():
     assert backend.bytes_verified <= 3 * (prompt + steps) * per_position
 
 
+@pytest.mark.parametrize("grow", [False, True], ids=["same-table", "table-extended"])
+def test_a_block_modified_long_after_it_was_verified_is_found(grow):
+    """Decodes re-check only blocks modified since their last check (the
+    worker's modification log): another request's transfer landing in block
+    3 of a long table, after 20 decodes verified it, is found at the next
+    decode, also when the table grew in between."""
+    prompt = 64
+    table = tuple(range(prompt // 4 + 6))
+    events = prefill("r1", prompt, table[: prompt // 4], d=table) + move(
+        "x", "r1", table[: prompt // 4], table[: prompt // 4]) + [Commit("r1", 0, "t-r1", "D0")]
+    tok = 101
+    for i in range(20):
+        events.append(Decode("r1", 0, "D0", prompt + i, tok, tok + 1, table))
+        tok += 1
+    if grow:  # the next decodes name a longer table (as after an alloc)
+        table = table + (40,)
+    events += prefill("r2", 4, (30,), d=(50,)) + move("y", "r2", (30,), (3,), ticket="t-r2")
+    events.append(Decode("r1", 0, "D0", prompt + 20, tok, tok + 1, table))
+    _, backend = run(events, header(workers={"P0": WorkerSpec("prefill", 64), "D0": WorkerSpec("decode", 64)}))
+    bad = kv(backend)
+    assert bad and bad[0].line == len(events) + 1 and bad[0].block == 3 and 12 <= bad[0].position < 16
+    assert bad[0].found["request"] == "r2"
+
+
 @pytest.mark.parametrize("events", [plain(), plain()[:-5]], ids=["clean", "violation"])
 def test_replay_json_prints_exactly_one_object(tmp_path, events):
     path = tmp_path / "h.jsonl"

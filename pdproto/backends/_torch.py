@@ -359,6 +359,8 @@ class BackendStatistics:
 
 
 _WRITE, _COPY, _VERIFY, _POISON = range(4)
+#: a worker's modification log restarts past this many entries
+_LOG_MAX = 1 << 20
 #: expected values are built and compared this many bytes at a time
 _CHUNK_BYTES = 2 << 20
 
@@ -369,7 +371,7 @@ class _Worker:
 
     __slots__ = ("name", "role", "tp", "pp", "heads", "parts", "pools", "scales", "nblocks", "cap",
                  "stamp", "mod", "restart_stamp", "restart_line", "last_write", "origin", "stash",
-                 "static_scale", "lastw", "pos_bytes")
+                 "static_scale", "lastw", "pos_bytes", "log", "epoch")
 
     def __init__(self, name: str, role: str, tp: int, pp: int, parts: list[tuple[int, int, tuple[int, ...]]],
                  heads: list[list[int]], cap: int | None) -> None:
@@ -393,6 +395,8 @@ class _Worker:
         self.static_scale = 1.0
         self.lastw: dict[int, tuple] = {}  # block -> (slot, (tag, position, code), values per part) of a 1-slot write
         self.pos_bytes = 0  # bytes of one position over every part
+        self.log: list[int] = []  # every block modified, in order (see TorchBackend._verify)
+        self.epoch = 0  # bumped when the log restarts (a restart, or a long log)
 
     def copy(self) -> "_Worker":
         n = object.__new__(_Worker)
@@ -406,13 +410,14 @@ class _Worker:
         n.origin = {b: list(o) for b, o in self.origin.items()}
         n.stash = dict(self.stash)
         n.lastw = dict(self.lastw)
+        n.log = list(self.log)
         return n
 
 
 class _Gen:
     __slots__ = ("key", "tag", "prompt_len", "processed_len", "first_token", "prefill",
                  "prefill_line", "exp_tok", "terminal", "committed", "last_decode", "transfers",
-                 "shared", "orig", "checked")
+                 "shared", "orig", "checked", "fast")
 
     def __init__(self, key: tuple[str, int], tag: int) -> None:
         self.key = key
@@ -430,6 +435,8 @@ class _Gen:
         self.shared: dict[str, tuple[tuple[int, ...], int]] = {}  # worker -> (shared blocks, tokens)
         self.orig: dict[str, dict[int, int]] = {}  # worker -> position -> origin tag (if not own)
         self.checked: dict[tuple[str, int], tuple[int, int, int]] = {}  # (worker, index) -> (block, stamp, slots)
+        # worker -> (table, positions, log length, epoch, block -> table indices) of the last verify
+        self.fast: dict[str, tuple] = {}
 
     def copy(self) -> "_Gen":
         n = object.__new__(_Gen)
@@ -441,12 +448,17 @@ class _Gen:
         n.shared = dict(self.shared)
         n.orig = {w: dict(o) for w, o in self.orig.items()}
         n.checked = dict(self.checked)
+        n.fast = dict(self.fast)
         return n
 
     def invalidate(self, worker: str | None, index: int) -> None:
         """Expectations at table ``index`` changed: forget what was verified there."""
         for k in [k for k in self.checked if k[1] == index and (worker is None or k[0] == worker)]:
             del self.checked[k]
+        if worker is None:
+            self.fast.clear()
+        else:
+            self.fast.pop(worker, None)
 
 
 class _Xfer:
@@ -605,6 +617,7 @@ class TorchBackend:
         self._reported: set[tuple] = set()
         self._staging: dict[tuple, list[torch.Tensor]] = {}  # free staging buffers by row shape
         self._scratch: dict[tuple, torch.Tensor] = {}  # expected values are built here (see _scratch_for)
+        self._row_memo: dict[tuple, torch.Tensor] = {}  # (tag, start, count, code) -> rows (never written to)
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._vdtype = torch.float32 if L.fp8 else L.torch_dtype  # the dtype values are made in
         self._nan = 0x7F if L.fp8 else _nan_bits(L.torch_dtype)
@@ -738,6 +751,7 @@ class TorchBackend:
         d["_reported"] = set(self._reported)
         d["_staging"] = {}
         d["_scratch"] = {}
+        d["_row_memo"] = dict(self._row_memo)
         d["_sec"] = list(self._sec)
         d["_nbytes"] = list(self._nbytes)
         if self.cuda:
@@ -904,11 +918,20 @@ class TorchBackend:
         self._clock += 1
         c = self._clock
         hi = self.layout.block_size if hi is None else hi
-        stamp, mod = w.stamp, w.mod
+        stamp, mod, log = w.stamp, w.mod, w.log
         for b in blocks:
             mod[b] = (stamp.get(b, 0), lo, hi)
             stamp[b] = c
             w.last_write[b] = line
+            log.append(b)
+        if len(log) > _LOG_MAX:
+            self._restart_log(w)
+
+    @staticmethod
+    def _restart_log(w: _Worker) -> None:
+        """Start ``w``'s modification log afresh: verifications look at every block once more."""
+        w.log = []
+        w.epoch += 1
 
     def _version(self, w: _Worker, b: int) -> int:
         s = w.stamp.get(b, 0)
@@ -992,8 +1015,18 @@ class TorchBackend:
         and position codes, dim 3 zero, hashed dims ``k / S`` (k in 0..A)."""
         radix = self._radix
         mults = self._mults
-        if len(codes) * len(mults) > 512:
-            return self._rows_wide(tags, start, codes)
+        if len(codes) > 16 or len(codes) * len(mults) > 512:
+            if len(tags) != 1 or len(codes) > 4096 or codes.count(codes[0]) != len(codes):
+                return self._rows_wide(tags, start, codes)
+            # one generation, one token code (a prompt): memoised, since prefill
+            # writes and commit verifies the same rows
+            key = (tags[0], start, len(codes), codes[0])
+            rows = self._row_memo.get(key)
+            if rows is None:
+                if len(self._row_memo) >= 32:
+                    del self._row_memo[next(iter(self._row_memo))]
+                rows = self._row_memo[key] = self._rows_wide(tags, start, codes)
+            return rows
         enc = self._enc  # value code -> its bits in the value dtype
         one = len(tags) == 1
         buf = array.array(self._acode)
@@ -1438,6 +1471,9 @@ class TorchBackend:
             dst.mod[db] = (dst.stamp.get(db, 0), s0, s1)
             dst.stamp[db] = self._clock
             dst.last_write[db] = line
+            dst.log.append(db)
+        if len(dst.log) > _LOG_MAX:
+            self._restart_log(dst)
         self._landed(t, src, dst)
 
     def _landed(self, t: _Xfer, src: _Worker, dst: _Worker) -> None:
@@ -1554,25 +1590,30 @@ class TorchBackend:
             self._report_missing(g, worker, table, have * bs, what, line, witness, transfer, ticket)
             return False
         self._worker(worker, need=table[:need_blocks])
-        checked = g.checked
-        version = self._version
+        table = tuple(table)
+        checked_get = g.checked.get
+        stamp_get, mod_get, rs = w.stamp.get, w.mod.get, w.restart_stamp
         todo = []  # (table index, block, first slot, end slot, version)
-        for bi in range(need_blocks):
+        last = need_blocks - 1
+        indices, imap = self._to_scan(g, w, table, need_blocks)
+        for bi in indices:
             blk = table[bi]
-            n = min(bs, upto - bi * bs)
-            st = version(w, blk)
-            rec = checked.get((worker, bi))
+            n = bs if bi < last else upto - bi * bs
+            stamp = stamp_get(blk, 0)
+            st = stamp if stamp >= rs else rs  # the block's version (see _version)
+            rec = checked_get((worker, bi))
             lo = 0
             if rec is not None and rec[0] == blk:
                 if rec[1] == st:
                     lo = rec[2]
                 else:
-                    m = w.mod.get(blk)
-                    if m is not None and m[0] == rec[1] and w.stamp.get(blk, 0) == st:
+                    m = mod_get(blk)
+                    if m is not None and m[0] == rec[1] and stamp == st:
                         lo = min(rec[2], m[1])
             if lo < n:
                 todo.append((bi, blk, lo, n, st))
         if not todo:
+            g.fast[worker] = (table, upto, len(w.log), w.epoch, imap)
             return True
         self._main_touch(worker)
         t_start = self._timer()
@@ -1582,9 +1623,38 @@ class TorchBackend:
             bi, blk, lo, n, _st = todo[ok]
             self._report_wrong(g, w, blk, bi, bi * bs + lo, n - lo, what, line, witness, transfer, ticket)
             return False
+        checked = g.checked
         for bi, blk, lo, n, st in todo:
             checked[(worker, bi)] = (blk, st, n)
+        g.fast[worker] = (table, upto, len(w.log), w.epoch, imap)
         return True
+
+    def _to_scan(self, g: _Gen, w: _Worker, table: tuple[int, ...], need: int) -> tuple[Iterable[int], dict]:
+        """The table indices below ``need`` whose verified state may be stale,
+        and the table's block -> indices map.  Since ``g``'s last verification
+        on ``w`` through the same table (or a table it extends), only the
+        indices of blocks modified since (``w.log``) and those at or past the
+        last block it verified can be: the others hold the version ``g``
+        verified.  Otherwise every index."""
+        fs = g.fast.get(w.name)
+        if fs is not None and fs[3] == w.epoch:
+            old, upto, pos, _epoch, imap = fs
+            same = table == old
+            if same or (len(table) > len(old) and table[: len(old)] == old):
+                if not same:
+                    imap = {b: list(ix) for b, ix in imap.items()}
+                    for i in range(len(old), len(table)):
+                        imap.setdefault(table[i], []).append(i)
+                log = w.log
+                first = max(0, -(-upto // self.layout.block_size) - 1)
+                if len(log) - pos < need:
+                    idx = {i for b in set(log[pos:]) for i in imap.get(b, ()) if i < first}
+                    return sorted(idx) + list(range(first, need)), imap
+                return range(need), imap
+        imap = {}
+        for i, b in enumerate(table):
+            imap.setdefault(b, []).append(i)
+        return range(need), imap
 
     def _check_many(self, g: _Gen, w: _Worker, todo: list[tuple[int, int, int, int, int]]) -> int | None:
         """Check the slots of ``todo`` (see :meth:`_verify`); the index in
@@ -2216,6 +2286,7 @@ class TorchBackend:
         self._final_check(g, line)
         g.terminal = True
         g.checked.clear()
+        g.fast.clear()
 
     def _on_free(self, ev: Free, line: int) -> None:
         w = self._workers.get(ev.worker)
@@ -2292,6 +2363,7 @@ class TorchBackend:
         w.restart_line = line
         w.stamp.clear()
         w.mod.clear()
+        self._restart_log(w)
         w.last_write.clear()
         w.origin.clear()
         w.stash.clear()
