@@ -94,6 +94,15 @@ def _pick(weights: Sequence[float], chain: int) -> int:
     return len(weights) - 1
 
 
+def _broken_invariant(setup: "_Setup", state: Any, line: int) -> Violation | None:
+    """The first of the model's state invariants that ``state`` breaks, as a
+    violation at history line ``line`` (None: all hold)."""
+    for name, holds in setup.invariants.items():
+        if not holds(state):
+            return Violation(f"model:{name}", line, f"the model's state invariant {name!r} does not hold")
+    return None
+
+
 @attrs.define
 class _Setup:
     """What every example of one run (or of one machine class) shares."""
@@ -312,11 +321,9 @@ class _Walk:
         """The monitor's violations and the model's state invariants."""
         if self.found:
             self._fail(self.found[0])
-        state = self.state
-        for name, holds in self.fz.invariants.items():
-            if not holds(state):
-                self._fail(Violation(f"model:{name}", len(self.events) + 1,
-                                     f"the model's state invariant {name!r} does not hold"))
+        broken = _broken_invariant(self.fz, self.state, len(self.events) + 1)
+        if broken is not None:
+            self._fail(broken)
 
     def _end_of_history(self) -> None:
         """The system is quiet: the end-of-history checks."""
@@ -665,11 +672,7 @@ class _Shrinker:
                     found.extend(backend.apply(event, line))
             if found:
                 return found[0]
-            for name, holds in fz.invariants.items():
-                if not holds(state):
-                    return Violation(f"model:{name}", len(events) + 1,
-                                     f"the model's state invariant {name!r} does not hold")
-            return None
+            return _broken_invariant(fz, state, len(events) + 1)
 
         for action in actions:
             if action not in model.actions(state):
