@@ -359,6 +359,9 @@ class BackendStatistics:
 
 
 _WRITE, _COPY, _VERIFY, _POISON = range(4)
+#: the blocks a free stashes are gathered at once when they take at most this
+#: many bytes (an entry's views keep the whole gather alive)
+_STASH_BATCH = 64 << 10
 #: a worker's modification log restarts past this many entries
 _LOG_MAX = 1 << 20
 #: expected values are built and compared this many bytes at a time
@@ -1462,7 +1465,7 @@ class TorchBackend:
         self._side(copy, [t.src, t.dst])
         self._sec[_COPY] += self._timer() - t_start
         slots = sum(m[5] - m[4] for m in moves)
-        self.bytes_copied += slots * moved[0] * L.kv * L.head_dim * L.elem_bytes
+        self.bytes_copied += slots * moved[0] * L.kv * L.head_dim * dst.pools[0].element_size()
         self._unregister_lazy(t)
         self._release(t)
         self._clock += 1
@@ -1566,7 +1569,7 @@ class TorchBackend:
         pool = w.pools[i]
         L = self.layout
         act = pool[blk][s0:s1] if layers is None else pool[blk, s0:s1, layers[0]: layers[1]]
-        self.bytes_verified += act.numel() * L.elem_bytes
+        self.bytes_verified += act.numel() * act.element_size()
         if not L.fp8:
             return _same(act, exp)
         s = w.scales[i][blk] if L.scale == "per-block" else w.scales[i][0]
@@ -1589,7 +1592,6 @@ class TorchBackend:
             have = 0 if w is None else len(table)
             self._report_missing(g, worker, table, have * bs, what, line, witness, transfer, ticket)
             return False
-        self._worker(worker, need=table[:need_blocks])
         table = tuple(table)
         checked_get = g.checked.get
         stamp_get, mod_get, rs = w.stamp.get, w.mod.get, w.restart_stamp
@@ -1615,6 +1617,7 @@ class TorchBackend:
         if not todo:
             g.fast[worker] = (table, upto, len(w.log), w.epoch, imap)
             return True
+        self._worker(worker, need=[t[1] for t in todo])  # the pool covers what is read
         self._main_touch(worker)
         t_start = self._timer()
         ok = self._check_many(g, w, todo)
@@ -2319,7 +2322,8 @@ class TorchBackend:
     def _stash(self, w: _Worker, blocks: Sequence[int]) -> dict[int, tuple]:
         """Before freed blocks are poisoned: what they hold, for a share that
         revives one while nothing else modified it (a prefix cache)."""
-        out = {}
+        out: dict[int, tuple] = {}
+        keep = []
         for b in blocks:
             if b >= w.nblocks:
                 continue
@@ -2330,10 +2334,22 @@ class TorchBackend:
             origin = w.origin.get(b)
             if origin is None or all(o is None for o in origin):
                 continue
-            self._main_touch(w.name)
-            rows = [_bytes(p[b]).clone() for p in w.pools]
-            scales = [s[b].clone() for s in w.scales] if self.layout.fp8 and self.layout.scale == "per-block" else []
-            out[b] = (0, rows, scales, list(origin))
+            keep.append(b)
+        if not keep:
+            return out
+        self._main_touch(w.name)
+        per_block = self.layout.fp8 and self.layout.scale == "per-block"
+        if len(keep) > 1 and len(keep) * w.pos_bytes * self.layout.block_size <= _STASH_BATCH:
+            # small blocks: one gather per part; each entry holds views of it
+            idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+            rows = [_bytes(p).index_select(0, idx) for p in w.pools]
+            scales = [s.index_select(0, idx) for s in w.scales] if per_block else []
+            for j, b in enumerate(keep):
+                out[b] = (0, [r[j] for r in rows], [s[j] for s in scales], list(w.origin[b]))
+            return out
+        for b in keep:
+            out[b] = (0, [_bytes(p[b]).clone() for p in w.pools],
+                      [s[b].clone() for s in w.scales] if per_block else [], list(w.origin[b]))
         return out
 
     def _on_restart(self, ev: Restart, line: int) -> None:
