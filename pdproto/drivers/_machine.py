@@ -483,14 +483,13 @@ class _Walk:
         i = self._route_step(succ)  # type: ignore[arg-type]
         if i is not None:
             return None, i
-        if not self.fz.exhausted:  # nothing open near here: by way of the initial state
-            first = self._lookahead(self.path[0])
-            self.plan = self._route_from_start()
+        if not self.fz.exhausted:  # nothing open near here: back to where a route leaves the path
+            at, self.plan = self._route_from_path()
             if self.plan:
                 want = self.plan.pop(0)
-                for i, s in enumerate(first):
+                for i, s in enumerate(self._lookahead(self.path[at])):
                     if s[2] == want:
-                        return (0 if len(self.path) > 1 else None), i
+                        return (None if at == len(self.path) - 1 else at), i
                 self.plan = []
         fresh = [i for i, s in enumerate(succ) if s[2] not in self.seen]  # type: ignore[union-attr]
         idx = fresh or range(len(enabled))  # type: ignore[arg-type]
@@ -533,25 +532,27 @@ class _Walk:
                     queue.append(d)
         return []
 
-    def _route_from_start(self) -> list:
-        """Canonical states from the initial state (excluded) to the latest
-        visited state that may have an unvisited successor, along the way
-        it was first reached; [] (and the search is over) when none may."""
+    def _route_from_path(self) -> tuple[int, list]:
+        """A route to the latest visited state that may have an unvisited
+        successor, along the way it was first reached: (the position of
+        the path where that way leaves it, the canonical states after it);
+        (0, []) (and the search is over) when no state may."""
         fz = self.fz
         graph, states, candidates, parent = fz.graph, fz.stats.states, fz.candidates, fz.parent
+        on_path = {pos.canon: at for at, pos in enumerate(self.path)}
         while candidates:
             c = candidates[-1]
             succ = graph.get(c)
             if succ is None or any(d not in states for d in succ):
                 route = []
-                while c in parent:
+                while c not in on_path and c in parent:
                     route.append(c)
                     c = parent[c]
-                if route:
-                    return route[::-1]
+                if route and c in on_path:
+                    return on_path[c], route[::-1]
             candidates.pop()
         fz.exhausted = True
-        return []
+        return 0, []
 
     # -- the end ------------------------------------------------------------------
 
