@@ -374,7 +374,7 @@ class _Worker:
 
     __slots__ = ("name", "role", "tp", "pp", "heads", "parts", "pools", "scales", "nblocks", "cap",
                  "stamp", "mod", "restart_stamp", "restart_line", "last_write", "origin", "stash",
-                 "static_scale", "lastw", "pos_bytes", "log", "epoch")
+                 "static_scale", "lastw", "pos_bytes", "log", "epoch", "flats")
 
     def __init__(self, name: str, role: str, tp: int, pp: int, parts: list[tuple[int, int, tuple[int, ...]]],
                  heads: list[list[int]], cap: int | None) -> None:
@@ -385,6 +385,7 @@ class _Worker:
         self.heads = heads  # per tensor-parallel rank
         self.parts = parts
         self.pools: list[torch.Tensor] = []
+        self.flats: list[torch.Tensor] = []  # each pool viewed as [blocks * block_size, layers, K/V, heads, D]
         self.scales: list[torch.Tensor] = []
         self.nblocks = 0
         self.cap = cap  # the declared pool size (caps the doubling), or None
@@ -406,6 +407,7 @@ class _Worker:
         for name in _Worker.__slots__:
             setattr(n, name, getattr(self, name))
         n.pools = [p.clone() for p in self.pools]
+        n.flats = [_slots(p) for p in n.pools]
         n.scales = [s.clone() for s in self.scales]
         n.stamp = dict(self.stamp)
         n.mod = dict(self.mod)
@@ -912,6 +914,7 @@ class TorchBackend:
                                    self._static_scale(w), device=self.device)
                 scales.append(s)
         w.pools = new
+        w.flats = [_slots(t) for t in new]
         w.scales = scales
         self.memory += (nblocks - w.nblocks) * self._part_bytes(w.tp, w.pp)
         w.nblocks = nblocks
@@ -1100,11 +1103,12 @@ class TorchBackend:
 
     def _store(self, w: _Worker, i: int, blk: int, s0: int, s1: int, vals: torch.Tensor, tag: int) -> None:
         """pool part ``i`` [blk, :, :, :, s0:s1] = ``vals`` (float32, quantized for fp8)."""
-        pool = w.pools[i]
         L = self.layout
         if not L.fp8:
-            pool[blk, s0:s1] = vals
+            f = blk * L.block_size
+            w.flats[i][f + s0: f + s1].copy_(vals)
             return
+        pool = w.pools[i]
         scales = w.scales[i]
         if L.scale == "per-block":
             row = scales[blk]
@@ -1171,8 +1175,7 @@ class TorchBackend:
         rows = self._rows(tags, start, codes[: spans[-1][2] - start])
         for i, (l0, l1, hs) in enumerate(w.parts):
             q = self._qpart(l0, l1, hs)
-            pool = w.pools[i]
-            flat = pool.view((pool.shape[0] * bs,) + tuple(pool.shape[2:]))
+            flat = w.flats[i]
             for f, p, n in runs:
                 torch.add(q, rows[p - start: p - start + n], out=flat[f: f + n])
 
@@ -1566,8 +1569,13 @@ class TorchBackend:
     def _check(self, w: _Worker, i: int, blk: int, s0: int, s1: int, exp: torch.Tensor,
                layers: tuple[int, int] | None = None) -> bool:
         """Does part ``i`` of block ``blk``, slots ``s0..s1``, hold ``exp`` (float32)?"""
-        pool = w.pools[i]
         L = self.layout
+        if layers is None and not L.fp8:
+            f = blk * L.block_size
+            act = w.flats[i][f + s0: f + s1]
+            self.bytes_verified += act.numel() * act.element_size()
+            return _same(act, exp)
+        pool = w.pools[i]
         act = pool[blk][s0:s1] if layers is None else pool[blk, s0:s1, layers[0]: layers[1]]
         self.bytes_verified += act.numel() * act.element_size()
         if not L.fp8:
@@ -1693,8 +1701,7 @@ class TorchBackend:
             groups.append([k, k + 1, f, p, n - lo])
         for i, (l0, l1, hs) in enumerate(w.parts):
             q = self._qpart(l0, l1, hs)
-            pool = w.pools[i]
-            flat = pool.view((pool.shape[0] * bs,) + tuple(pool.shape[2:]))  # [slots, layers, K/V, heads, D]
+            flat = w.flats[i]  # [slots, layers, K/V, heads, D]
             chunk, scratch = self._scratch_for(flat)
             per = flat[0].numel() * flat.element_size()
             for k0, k1, f, p, n in groups:
@@ -1782,8 +1789,7 @@ class TorchBackend:
             if a >= b:
                 continue
             q = self._qpart(a, b, hs)
-            pool = w.pools[i]
-            flat = pool.view((pool.shape[0] * bs,) + tuple(pool.shape[2:]))[:, a - l0: b - l0]
+            flat = w.flats[i] if (a, b) == (l0, l1) else w.flats[i][:, a - l0: b - l0]
             chunk, scratch = self._scratch_for(flat)
             per = flat[0].numel() * flat.element_size()
             for f, p, n in runs:
@@ -2432,13 +2438,18 @@ def _load_memcmp() -> Callable[[int, int, int], int] | None:
 _MEMCMP = _load_memcmp()
 
 
+def _slots(pool: torch.Tensor) -> torch.Tensor:
+    """A pool ``[blocks, block_size, ...]`` viewed as ``[blocks * block_size, ...]`` (slot ``b * bs + s``)."""
+    return pool.view((pool.shape[0] * pool.shape[1],) + tuple(pool.shape[2:]))
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit equal (no expected value is NaN, and a NaN's bits differ
     from every value's).  Contiguous CPU tensors of one shape and dtype are
     compared with ``memcmp`` (a third faster than ``torch.equal`` on large
     rows); others in the widest integers the rows allow (several times
     faster than comparing bfloat16 elements)."""
-    if (_MEMCMP is not None and a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype
+    if (_MEMCMP is not None and not a.is_cuda and not b.is_cuda and a.dtype == b.dtype
             and a.shape == b.shape and a.is_contiguous() and b.is_contiguous()):
         n = a.numel() * a.element_size()
         return n == 0 or _MEMCMP(a.data_ptr(), b.data_ptr(), n) == 0
