@@ -3,8 +3,8 @@
 Generates deterministic clean histories (benchmarks/_long_history.py: four
 workers, up to 12 interleaved requests in flight, ~17 events per request;
 format 1.1 adds chunked two-range transfers and prefix shares) and replays
-each with the monitor and the torch backend, as ``pdproto replay`` does, at
-two layouts:
+each with :func:`pdproto.replay` (the monitor and the torch backend, as
+``pdproto replay`` does) at two layouts:
 
 - ``default``: the replay defaults (2 layers x 4 KV heads x 8 head dim,
   block size 4, bfloat16) on the issue's reference shape: 14,000 events,
@@ -64,6 +64,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -72,8 +73,8 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import _long_history  # noqa: E402
-from pdproto import Monitor, open_history  # noqa: E402
-from pdproto.backends._torch import TorchBackend  # noqa: E402
+from pdproto.backends import _torch  # noqa: E402
+from pdproto.drivers import replay  # noqa: E402
 
 LAYOUTS = {
     "default": {"layers": 2, "kv_heads": 4, "head_dim": 8},
@@ -124,32 +125,41 @@ def raw_copy_rate(nbytes: int, device: torch.device, clock=time.process_time,
     return best
 
 
+class _Timed(_torch.TorchBackend):
+    """The backend :func:`pdproto.replay` makes while :func:`replay_once`
+    runs: its data work timed with the benchmark's clock, and kept for its
+    statistics."""
+
+    clock: Any = time.process_time
+    made: list[_torch.TorchBackend] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["clock"] = _Timed.clock
+        super().__init__(*args, **kwargs)
+        _Timed.made.append(self)
+
+
 def replay_once(path: str, shape: dict, device: str, clock, profiler: cProfile.Profile | None = None) -> dict:
-    """Replay ``path`` as ``pdproto replay`` does (the monitor judges every
+    """Replay ``path`` with :func:`pdproto.replay` (the monitor judges every
     event, the backend executes it); the backend's data work is timed with
     ``clock``."""
-    w0, c0 = time.perf_counter(), time.process_time()
-    if profiler is not None:
-        profiler.enable()
-    with open_history(path) as reader:
-        monitor = Monitor.from_header(reader.header)
-        backend = TorchBackend(reader.header, device=device, dtype=DTYPE, max_memory=None, clock=clock, **shape)
-        feed, apply = monitor.feed, backend.apply
-        for line, event in reader:
-            feed(event, line)
-            apply(event, line)
-        last = max(monitor.line, reader.line)
-        monitor.line = last
-        backend.line = max(backend.line, last)
-        monitor.finish()
-        backend.finish()
-    _sync(backend.device)
-    if profiler is not None:
-        profiler.disable()
-    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-    violations = list(monitor.violations) + list(backend.violations)
-    return {"events": monitor.events, "requests": monitor.requests, "cpu_s": cpu, "wall_s": wall,
-            "backend": backend, "violations": violations}
+    _Timed.clock, _Timed.made = clock, []
+    real = _torch.TorchBackend
+    _torch.TorchBackend = _Timed  # what pdproto.replay instantiates (load_torch_backend returns this module)
+    try:
+        w0, c0 = time.perf_counter(), time.process_time()
+        if profiler is not None:
+            profiler.enable()
+        result = replay(path, device=device, dtype=DTYPE, max_memory=1 << 40, threads=None, **shape)
+        (backend,) = _Timed.made
+        _sync(backend.device)
+        if profiler is not None:
+            profiler.disable()
+        cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    finally:
+        _torch.TorchBackend = real
+    return {"events": result.events, "requests": result.requests, "cpu_s": cpu, "wall_s": wall,
+            "backend": backend, "violations": list(result.violations)}
 
 
 def run_layout(path: str, warm: str, stats: dict, layout: str, device: str, profiler, repeat: int = 1) -> dict:

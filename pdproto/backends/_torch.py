@@ -1172,7 +1172,8 @@ class TorchBackend:
                 runs[-1][2] += p1 - p0
             else:
                 runs.append([f, p0, p1 - p0])
-        rows = self._rows(tags, start, codes[: spans[-1][2] - start])
+        count = spans[-1][2] - start
+        rows = self._rows(tags if len(tags) == 1 else tags[:count], start, codes[:count])
         for i, (l0, l1, hs) in enumerate(w.parts):
             q = self._qpart(l0, l1, hs)
             flat = w.flats[i]
