@@ -28,7 +28,9 @@ MUTANTS = sorted(
 
 
 def monitor_for(model: HandoffModel) -> Monitor:
-    return Monitor(model.header.policy, complete=True, workers=model.header.workers)
+    """The monitor the explorer uses: set up by the model's header (its policy,
+    pools and, in format 1.1, KV layout and block size)."""
+    return Monitor.from_header(model.header, complete=True)
 
 
 def bfs(model, max_states=2_000_000):
