@@ -290,6 +290,30 @@ def test_fp8_per_block_scales_travel_with_their_blocks():
     assert "per-block scale is missing" in v.message
 
 
+def test_fp8_a_scale_copied_to_the_wrong_layer_or_block_is_caught():
+    """Per-block scales differ between neighbouring blocks, layers and K/V
+    (powers of two), so a transfer that puts one block's or layer's scale on
+    another reads back wrong values, even within one generation."""
+    hdr = header({"kv"}, KVSpec(layers=2, block_size=4, dtype="float8_e4m3fn", scale="per-block"))
+    events = plain()
+    cut = events.index(TransferWriteDone("x")) + 1
+    for swap in ("layers", "blocks"):
+        backend = TorchBackend(hdr)
+        for i, ev in enumerate(events[:cut]):
+            backend.apply(ev, i + 2)
+        sc = backend._workers["D0"].scales[0]
+        assert not torch.equal(sc[0, :, 0], sc[0, :, 1]) and not torch.equal(sc[0], sc[1])
+        if swap == "layers":
+            sc[0] = sc[0].flip(1)  # block 0's scales of layer 0 and layer 1 exchanged
+        else:
+            sc[[0, 1]] = sc[[1, 0]]  # blocks 0 and 1 exchanged their scales
+        for i, ev in enumerate(events[cut:], start=cut):
+            backend.apply(ev, i + 2)
+        backend.finish()
+        found = kv(backend)
+        assert found and found[0].line == events.index(Commit("r1", 0, "t-r1", "D0")) + 2, swap
+
+
 def test_fp8_static_scales_must_match_between_p_and_d():
     hdr = header({"kv"}, KVSpec(layers=2, block_size=4, dtype="float8_e4m3fn", scale="per-tensor"))
     _, backend = run(plain(), hdr, static_scales={"D0": 2.0})

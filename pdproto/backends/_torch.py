@@ -1101,6 +1101,20 @@ class TorchBackend:
     def _static_scale(self, w: _Worker) -> float:
         return w.static_scale
 
+    @staticmethod
+    def _fresh_scales(row: torch.Tensor, tag: int, blk: int) -> torch.Tensor:
+        """The per-block scales a block's first writer sets: powers of two
+        (1, 1/2, 1/4: every value stays exact) that differ between
+        neighbouring blocks, layers and K/V, so a scale copied to the wrong
+        block, layer or K/V reads back as another value."""
+        idx = torch.zeros(row.shape, dtype=torch.int64, device=row.device)
+        for d, n in enumerate(row.shape):
+            if n > 1:
+                shape = [1] * row.dim()
+                shape[d] = n
+                idx = idx + torch.arange(n, device=row.device).view(shape)
+        return torch.pow(2.0, -((idx + tag + blk) % 3).to(row.dtype))
+
     def _store(self, w: _Worker, i: int, blk: int, s0: int, s1: int, vals: torch.Tensor, tag: int) -> None:
         """pool part ``i`` [blk, :, :, :, s0:s1] = ``vals`` (float32, quantized for fp8)."""
         L = self.layout
@@ -1113,7 +1127,7 @@ class TorchBackend:
         if L.scale == "per-block":
             row = scales[blk]
             if bool(torch.isnan(row).any()):  # a fresh block: its scale is set by its first writer
-                row.fill_(2.0 ** -(tag % 3))
+                row.copy_(self._fresh_scales(row, tag, blk))
             s = row
         else:
             s = scales[0]
