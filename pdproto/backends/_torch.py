@@ -71,8 +71,8 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
-import numpy as np
-import torch
+import torch  # first: without the torch extra, the missing module is torch
+import numpy as np  # noqa: I001 - the torch extra brings it (torch.from_numpy needs it too)
 
 from .._errors import LimitError, UsageError, parse_int
 from ..spec._events import (
