@@ -895,10 +895,8 @@ class TorchBackend:
         new, scales = [], []
         for i, (l0, l1, hs) in enumerate(w.parts):
             shape = (nblocks, L.block_size, l1 - l0, L.kv, len(hs), L.head_dim)
-            if L.fp8:
-                t = torch.full(shape, 0x7F, dtype=torch.uint8, device=self.device).view(L.torch_dtype)
-            else:
-                t = torch.full(shape, float("nan"), dtype=L.torch_dtype, device=self.device)
+            t = torch.empty(shape, dtype=L.torch_dtype, device=self.device)
+            _bytes(t).fill_(self._nan)  # poison, as a free leaves it
             if w.pools:
                 _bytes(t)[: w.nblocks].copy_(_bytes(w.pools[i]))
             new.append(t)
@@ -2391,7 +2389,7 @@ class TorchBackend:
             return
         self._before_modify(w, range(w.nblocks), line)
         for pool in w.pools:
-            _poison_(pool, self.layout.fp8)
+            _bytes(pool).fill_(self._nan)
         if self.layout.fp8 and self.layout.scale == "per-block":
             for s in w.scales:
                 s.fill_(float("nan"))
@@ -2481,13 +2479,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _nan_bits(dtype: torch.dtype) -> int:
     """The integer whose bits are a NaN of ``dtype`` (see :func:`_bytes`)."""
     return int(torch.tensor(float("nan"), dtype=dtype).view(_RAW[torch.empty((), dtype=dtype).element_size()]))
-
-
-def _poison_(t: torch.Tensor, fp8: bool) -> None:
-    if fp8:
-        t.view(torch.uint8).fill_(0x7F)
-    else:
-        t.fill_(float("nan"))
 
 
 def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int],
