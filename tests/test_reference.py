@@ -537,3 +537,12 @@ def test_symmetry_renaming_matches_state():
     h2 = Handoff(model=model)
     h2.do("submit", "r0")
     assert model.symmetry(h2.state) == (h2.state, None)
+
+
+def test_policy_flag_reaches_a_configuration_that_calls_it_mode():
+    """A user's DEFAULT_CONFIG from before the rename (a ``mode`` field, no
+    ``policy``) still takes --policy / --mode."""
+    from pdproto.drivers._loader import _configure
+
+    assert _configure({"mode": "push", "requests": 2}, {"policy": "pull"}, "x") == {"mode": "pull", "requests": 2}
+    assert _configure({"policy": "push"}, {"policy": "pull"}, "x") == {"policy": "pull"}

@@ -358,8 +358,8 @@ def _configure(config: Any, overrides: dict[str, Any], given: str) -> Any:
         fields = set(config)
     else:
         fields = set()
-    if "mode" in overrides and "mode" not in fields and "policy" in fields:
-        overrides["policy"] = overrides.pop("mode")
+    if "policy" in overrides and "policy" not in fields and "mode" in fields:
+        overrides["mode"] = overrides.pop("policy")  # a configuration that still calls it mode
     missing = [k for k in overrides if k not in fields]
     if missing:
         flags = sorted({_FLAGS.get(k, k) for k in missing})
