@@ -410,13 +410,16 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
 }
 
 
-def _feature_error(ev: str, name: str | None, feature: str, features: frozenset[str]) -> HistoryFormatError:
-    what = f"event kind {ev!r}" if name is None else f"{ev}.{name}"
+def undeclared_feature(
+    what: str, feature: str, features: frozenset[str], field: str, value: object = None
+) -> HistoryFormatError:
+    """The format error for ``what`` (an event kind, field or header key)
+    that belongs to ``feature``, which the header's ``features`` lack."""
     return HistoryFormatError(
         f"{what} belongs to feature {feature!r}, not declared in this history, whose header "
         f'declares features {sorted(features)}; add "{feature}" to them',
-        field="ev" if name is None else name,
-        value=ev if name is None else None,
+        field=field,
+        value=value,
     )
 
 
@@ -448,7 +451,7 @@ def event_from_dict(obj: object, features: Iterable[str] | None = None, *, legac
             if legacy:  # version 1: as unknown as it always was
                 cls = None
             else:
-                raise _feature_error(ev, None, feature, allowed)
+                raise undeclared_feature(f"event kind {ev!r}", feature, allowed, "ev", ev)
     if cls is None:
         known = [k for k in EVENT_TYPES if allowed is None or FEATURE_KINDS.get(k, "") in allowed | {""}]
         hint = ""
@@ -465,7 +468,7 @@ def event_from_dict(obj: object, features: Iterable[str] | None = None, *, legac
         feature = FEATURE_FIELDS.get((ev, name))
         if feature is not None and allowed is not None and feature not in allowed:
             if not legacy and name in obj:
-                raise _feature_error(ev, name, feature, allowed)
+                raise undeclared_feature(f"{ev}.{name}", feature, allowed, name)
             extra_fields.add(name)  # version 1: an unknown extra key
             continue
         if name not in obj or (obj[name] is None and kind.endswith("?")):

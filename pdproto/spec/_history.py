@@ -31,6 +31,7 @@ from ._events import (
     fast_parsers,
     features_used,
     parse_event,
+    undeclared_feature,
 )
 
 #: the event classes that can use a format 1.1 feature
@@ -367,7 +368,7 @@ class HistoryHeader:
         kv = None
         if version != 1 and "kv" in obj:
             if "kv" not in features:
-                raise _undeclared("kv", "kv", features)
+                raise undeclared_feature("kv", "kv", features, "kv")
             kv = KVSpec.from_dict(obj["kv"])
         if kv is not None and kv.layers is not None and specs:
             for name, spec in specs.items():
@@ -386,14 +387,6 @@ class HistoryHeader:
                    features=features, kv=kv)
 
 
-def _undeclared(where: str, feature: str, features: frozenset[str]) -> HistoryFormatError:
-    return HistoryFormatError(
-        f"{where} belongs to feature {feature!r}, not declared in the header's features "
-        f'{sorted(features)}; add "{feature}" to them',
-        field=where,
-    )
-
-
 def _parallel(
     spec: Mapping[str, Any], where: str, version: object, features: frozenset[str]
 ) -> tuple[int | None, int | None]:
@@ -408,7 +401,7 @@ def _parallel(
             out.append(None)
             continue
         if "parallel" not in features:
-            raise _undeclared(f"{where}.{key}", "parallel", features)
+            raise undeclared_feature(f"{where}.{key}", "parallel", features, f"{where}.{key}")
         if type(value) is not int or value < 1:
             raise HistoryFormatError(
                 f"{where}.{key} must be an integer >= 1, got {value!r:.80}",
@@ -554,7 +547,7 @@ class HistoryReader:
 
     def _parse(self, line: int, obj: object) -> Event:
         try:
-            event = parse_event(obj, self._features, self.header.version == 1)
+            event = parse_event(obj, self.header.features, self.header.version == 1)
         except HistoryFormatError as exc:
             error = exc
             if _is_header(obj):
@@ -565,10 +558,6 @@ class HistoryReader:
         if type(event) in self._ranged:
             self._check_ranges(event, line)  # type: ignore[arg-type]
         return event
-
-    @property
-    def _features(self) -> frozenset[str]:
-        return self.header.features
 
     @property
     def _ranged(self) -> tuple[type, ...]:
@@ -630,7 +619,7 @@ class HistoryReader:
         # installed) and the generated per-kind parsers; anything else falls
         # to the careful path, which accepts the same lines and names errors.
         fast_loads = _fast_loads
-        parsers = fast_parsers(self._features)
+        parsers = fast_parsers(self.header.features)
         ranged = self._ranged
         workers = self.header.workers
         worker_fields = WORKER_FIELDS
@@ -659,14 +648,15 @@ class HistoryReader:
                     obj = self._decode(raw)
                     if obj is _BLANK:
                         continue
-                    event = self._parse(line, obj)
-                elif workers is not None:
-                    for field in worker_fields[type(event)]:
-                        w = getattr(event, field)
-                        if w is not None and w not in workers:
-                            self._check_workers(event, line)
-                if ranged and type(event) in ranged:
-                    self._check_ranges(event, line)  # type: ignore[arg-type]
+                    event = self._parse(line, obj)  # which checks workers and ranges
+                else:
+                    if workers is not None:
+                        for field in worker_fields[type(event)]:
+                            w = getattr(event, field)
+                            if w is not None and w not in workers:
+                                self._check_workers(event, line)
+                    if ranged and type(event) in ranged:
+                        self._check_ranges(event, line)  # type: ignore[arg-type]
                 events += 1
                 yield line, event
         except (_TooLong, OSError) as exc:
