@@ -856,22 +856,21 @@ class Monitor:
         self._ticket_check(ev, ev.ticket, key, ev.worker, line)
         tids = self._ticket_transfers.get(ev.ticket, ())
         ready = False
-        ranged: list[_Transfer] = []
+        landed: list[str] = []  # landed transfers that may cover only part of the KV
         for tid in tids:
             t = self._transfers[tid]
             if t.dst == ev.worker and t.write_done and not t.failed and not t.lost:
                 if t.layers is None and t.tokens is None and self.block_size is None:
                     ready = True  # version 1: a whole transfer moves everything
                     break
-                ranged.append(t)
+                landed.append(tid)
         gap = None
-        if not ready and (ranged or self._share_tokens or self.block_size is not None):
-            gap = self._readiness_gap(key, ev.worker, tids, ranged)
+        if not ready and (landed or self._share_tokens or self.block_size is not None):
+            gap = self._readiness_gap(key, ev.worker, tids, [self._transfers[tid] for tid in landed])
             ready = gap is None
         if not ready:
-            if gap is not None and ranged:
+            if gap is not None and landed:
                 layers, positions = gap
-                landed = [tid for tid in tids if self._transfers[tid] in ranged]
                 why = (
                     f"the landed transfer(s) {', '.join(map(repr, landed))} miss layer(s) "
                     f"{_range_text(layers)} of prompt positions {_range_text(positions)}"
@@ -920,8 +919,7 @@ class Monitor:
         generation's shares hold there (up to the furthest position a
         transfer names when the prompt length is unknown)."""
         start = self._share_tokens.get((key, worker), 0) if self._share_tokens else 0
-        mine = [self._transfers[tid] for tid in tids]
-        mine = [t for t in mine if t.dst == worker]
+        mine = [t for t in map(self._transfers.__getitem__, tids) if t.dst == worker]
         layers = self.kv.layers if self.kv is not None else None
         if layers is None:
             layers = max([t.layers[1] for t in mine if t.layers is not None], default=1)
@@ -935,11 +933,12 @@ class Monitor:
         if not landed:
             return (0, layers), (start, end)
         everything = (0, max(layers, end, 1))
+        bs = self.block_size
+        table = self._table(key, worker) if bs is not None else ()
         rects = []
         for t in landed:
-            if t.tokens is None and self.block_size is not None:
+            if t.tokens is None and bs is not None:
                 # whole blocks: the positions of the table entries it wrote
-                bs, table = self.block_size, self._table(key, worker)
                 for b in t.dst_blocks:
                     if b in table:
                         i = table.index(b)
@@ -1018,7 +1017,7 @@ class Monitor:
             )
         elif g.prompt_len is not None and g.processed_len != g.prompt_len:
             problem = f"prefill processed {g.processed_len} tokens of a {g.prompt_len}-token prompt"
-        elif ev.input_token != g.first_token:
+        if problem is None and ev.input_token != g.first_token:
             problem = f"input_token {ev.input_token}, but prefill sampled first token {g.first_token}"
         if problem is not None:
             self._report(
@@ -1037,7 +1036,7 @@ class Monitor:
         """first-token-boundary after a prefix-cache hit of ``g.cached`` positions
         on the prefill worker: prefill processed either the whole prompt or the
         rest after the cached prefix, and the first token goes where the prompt
-        ends."""
+        ends (the caller checks the token it feeds, as without a hit)."""
         processed, cached = g.processed_len, g.cached
         assert processed is not None
         ends = {processed, processed + cached}
@@ -1054,8 +1053,6 @@ class Monitor:
                 f"position {ev.position}, but the prompt ends at {end} (prefill processed {processed} "
                 f"tokens after a cached prefix of {cached}): the first token goes at position {end}"
             )
-        if ev.input_token != g.first_token:
-            return f"input_token {ev.input_token}, but prefill sampled first token {g.first_token}"
         return None
 
     def _next_decode(
