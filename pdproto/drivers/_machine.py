@@ -131,8 +131,6 @@ class _Setup:
     candidates: list = attrs.field(factory=list)
     #: every state reachable from the initial one was visited (routing is over)
     exhausted: bool = False
-    #: shrink a failure (see _Shrinker) before raising it
-    shrink: bool = True
     #: failing action sequence -> its shrunk failure (a replay shrinks at once)
     shrunk: dict = attrs.field(factory=dict)
     #: wall seconds spent shrinking
@@ -301,15 +299,14 @@ class _Walk:
         if fz.stats.found_at is None:
             fz.stats.found_at = fz.stats.examples
         trace, events = self.trace, self.events
-        if fz.shrink:
-            key = tuple(a for _, a, _ in trace)
-            shrunk = fz.shrunk.get(key)
-            if shrunk is None:
-                t0 = time.perf_counter()
-                shrunk = fz.shrunk[key] = _Shrinker(fz).shrink(key)
-                fz.shrink_seconds += time.perf_counter() - t0
-            if shrunk is not None:
-                trace, events, violation, complete = shrunk
+        key = tuple(a for _, a, _ in trace)
+        shrunk = fz.shrunk.get(key)
+        if shrunk is None:
+            t0 = time.perf_counter()
+            shrunk = fz.shrunk[key] = _Shrinker(fz).shrink(key)
+            fz.shrink_seconds += time.perf_counter() - t0
+        if shrunk is not None:
+            trace, events, violation, complete = shrunk
         written = attrs.evolve(fz.header, complete=complete)
         if fz.out is not None:
             write_history(fz.out, events, written)
@@ -578,8 +575,7 @@ class _Walk:
             stats.teardown_steps += 1
             self.check()
         else:
-            self._fail(Violation("no-quiescence", len(self.events) + 1,
-                                 f"the system did not go quiet within {QUIESCE_LIMIT} steps"))
+            self._fail(_no_quiescence(len(self.events) + 1))
         self._end_of_history()
 
     def _progress_choice(self, pos: _Pos, progress: list[int]) -> int:
@@ -689,8 +685,7 @@ class _Shrinker:
             if v is not None:
                 return trace, events, v, False
         else:
-            return trace, events, Violation("no-quiescence", len(events) + 1,
-                                             f"the system did not go quiet within {QUIESCE_LIMIT} steps"), True
+            return trace, events, _no_quiescence(len(events) + 1), True
         end = monitor.end_violations()
         if not end and backend is not None:
             end = backend.finish()
@@ -870,6 +865,11 @@ def run_machine(model: Any, *, examples: int, steps: int, seed: int | None, out:
             if phase_seconds is not None:
                 phase_seconds.update(_phases(seconds, setup.shrink_seconds))
     return None
+
+
+def _no_quiescence(line: int) -> Violation:
+    """The failure of a run whose teardown never let the system go quiet."""
+    return Violation("no-quiescence", line, f"the system did not go quiet within {QUIESCE_LIMIT} steps")
 
 
 def _phases(hypothesis: dict[str, float], shrink: float) -> dict[str, float]:
