@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any, Callable, ClassVar
 
 from ..spec._events import Cancel, Commit, Decode, Event, Fail, Finish, TransferStart
-from ..spec._history import HistoryHeader, WorkerSpec
+from ..spec._history import HistoryHeader, KVSpec, WorkerSpec
 from ._config import FAULT_KINDS, ModelConfig
 from ._model import Action, ActionNotEnabled, Renaming
 from ._push_pull import REFERENCE
@@ -524,15 +524,9 @@ class HandoffModel:
 def _header(config: ModelConfig, workers: dict) -> HistoryHeader:
     """The history header of ``config``'s traces: format 1, or 1.1 with the
     features the configuration uses (``kv.layers`` for layer-wise chunks)."""
-    extra = {"block_size": config.block_size}
-    features = config.features
-    if not features:
-        return HistoryHeader(policy=config.policy, complete=True, workers=workers, extra=extra)
-    from ..spec import KVSpec  # type: ignore[attr-defined]
-
     kv = KVSpec(layers=config.chunks) if config.layerwise else None
-    return HistoryHeader(policy=config.policy, complete=True, workers=workers, extra=extra,
-                         version="1.1", features=features, kv=kv)
+    return HistoryHeader(policy=config.policy, complete=True, workers=workers,
+                         extra={"block_size": config.block_size}, features=config.features, kv=kv)
 
 
 class Handoff:
