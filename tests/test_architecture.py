@@ -22,7 +22,9 @@ LAYERS = (
     ("pdproto.backends",),
     ("pdproto.drivers",),
     ("pdproto.models",),
+    ("pdproto.adapters",),
     ("pdproto.cost",),
+    ("pdproto.sim",),
     ("pdproto.testing", "pdproto._pytest_plugin"),
     ("pdproto._cli", "pdproto.__main__"),
     ("pdproto",),
@@ -32,18 +34,21 @@ LAYERS = (
 NARROW = {
     "pdproto.backends": ("pdproto._errors", "pdproto.spec"),
     "pdproto.cost": ("pdproto._errors",),
+    "pdproto.sim": ("pdproto._errors", "pdproto._version", "pdproto.spec", "pdproto.cost"),
 }
 
 #: Third-party packages and the layers allowed to import them.
 THIRD_PARTY = {
-    "torch": ("pdproto.backends",),
+    "torch": ("pdproto.backends", "pdproto.adapters"),
     "numpy": ("pdproto.backends",),
     "rich": ("pdproto._cli",),
     "hypothesis": ("pdproto.drivers", "pdproto.testing", "pdproto._pytest_plugin"),
     "pytest": ("pdproto._pytest_plugin",),
     "networkx": ("pdproto.drivers", "pdproto._cli"),
-    "matplotlib": ("pdproto.cost",),
+    "matplotlib": ("pdproto.cost", "pdproto.sim"),
     "orjson": ("pdproto.spec",),
+    "vllm": ("pdproto.adapters",),
+    "transformers": ("pdproto.backends",),
 }
 
 

@@ -1,0 +1,1 @@
+"""The vLLM adapter (docs/adapters/vllm.md)."""

@@ -1,0 +1,1 @@
+"""The discrete-event simulator of ``pdproto simulate`` (docs/simulate.md)."""
