@@ -263,10 +263,11 @@ class _Histogram:
         self.total = 0.0
         self.n = 0
 
-    def add_many(self, values: Sequence[float]) -> None:
+    def add_many(self, values: Sequence[float], total: float) -> None:
+        """Count ``values``, whose sum is ``total``."""
         if not values:
             return
-        self.total += math.fsum(values)
+        self.total += total
         self.n += len(values)
         if self.exact:
             self.counts.update(values)
@@ -501,7 +502,7 @@ class Metrics:
         self._e2e_sum += e2e
         if n >= 2:
             gaps = list(map(_SUB, tt[1:], tt))
-            self._itl.add_many(gaps)
+            self._itl.add_many(gaps, tt[-1] - first)
             self._tpot.append((tt[-1] - first) / (n - 1))
             self._multi.append(1)
             self._first_gap.append(gaps[0])
