@@ -94,6 +94,30 @@ def pull_handoff(r="r1", gen=0):
     ]
 
 
+def recompute_handoff(r="r1", gen=0, first_at=5):
+    """A clean pull handoff under vLLM's first-token convention (header
+    ``boundary: recompute``): P's sampled token (7) is discarded; D recomputes
+    the last prompt token (55, position 5) and its output is the first token."""
+    t, x = f"t-{r}-{gen}", f"x-{r}-{gen}"
+    first_in = 55 if first_at == 5 else 7
+    return [
+        ("submit", Submit(r, gen, prompt_len=6, max_new_tokens=2)),
+        ("prefill_start", PrefillStart(r, gen, "P0", (0, 1))),
+        ("prefill_done", PrefillDone(r, gen, "P0", first_token=7, processed_len=6)),
+        ("reserve", Reserve(r, gen, t, "D0", (3, 4))),
+        ("transfer_start", TransferStart(x, t, r, gen, "P0", (0, 1), "D0", (3, 4))),
+        ("write_done", TransferWriteDone(x)),
+        ("read_done", TransferReadDone(x)),
+        ("free_p", Free("P0", (0, 1), request=r, gen=gen)),
+        ("commit", Commit(r, gen, t, "D0")),
+        ("decode1", Decode(r, gen, "D0", position=first_at, input_token=first_in, output_token=8,
+                           blocks=(3, 4))),
+        ("decode2", Decode(r, gen, "D0", position=first_at + 1, input_token=8, output_token=9, blocks=(3, 4))),
+        ("finish", Finish(r, gen, reason="length")),
+        ("free_d", Free("D0", (3, 4), request=r, gen=gen)),
+    ]
+
+
 # -- format 1.1 ------------------------------------------------------------
 
 #: the KV layout of the examples that need one: 2 layers, 4 positions a block
@@ -529,6 +553,19 @@ EXAMPLES = {
         "Version 1: one ticket, two transfers each moving part of the blocks. Clean.",
         "push", True, split_transfer(), [],
     ),
+    "clean-recompute": (
+        "vLLM's first-token convention (boundary recompute): P's sampled token is discarded "
+        "and D's first decode recomputes the last prompt token at position prompt_len - 1. Clean.",
+        "pull", True, recompute_handoff(), [], {"features": ["boundary"], "boundary": "recompute"},
+    ),
+    "first-token-boundary-recompute": (
+        "Under vLLM's convention (boundary recompute) D skips the recompute and feeds P's "
+        "discarded sample at position prompt_len: the first generated token never reaches the "
+        "client, and decoding runs one position ahead of the stream it reports.",
+        "pull", False, recompute_handoff(first_at=6)[:10],
+        [("first-token-boundary", "decode1", ["submit", "prefill_done"])],
+        {"features": ["boundary"], "boundary": "recompute", "replay": ["decode1"]},
+    ),
 }
 
 #: what replay reports on the version 1 examples (labels of kv-corruption lines)
@@ -565,6 +602,7 @@ def write_example(name, description, policy, complete, events, expect, options=N
         },
         features=options.get("features", ()),
         kv=options.get("kv"),
+        boundary=options.get("boundary", "sampled"),
     )
     path = os.path.join(HERE, f"{name}.jsonl")
     with open(path, "w", encoding="utf-8") as fh:

@@ -576,6 +576,7 @@ class TorchBackend:
             canonical_dtype(dt), lay, sc,
         )
         self.header = header
+        self._recompute = getattr(header, "boundary", "sampled") == "recompute"
         self.tp = parse_tp(tp)
         self._tp_flag = tp is not None
         if max_memory is not None and (type(max_memory) is not int or max_memory < 1):
@@ -2053,7 +2054,8 @@ class TorchBackend:
         g.first_token = ev.first_token
         if g.prompt_len is None:
             g.prompt_len = ev.processed_len
-        self._expect_token(g, g.prompt_len, ev.first_token)
+        if not self._recompute:  # recompute (vLLM's convention): P's sampled token is discarded
+            self._expect_token(g, g.prompt_len, ev.first_token)
         g.prefill_line = line
         shared = g.shared.get(ev.worker)
         table = self._table(g, ev.worker, g.prefill.get(ev.worker, ()))
@@ -2292,7 +2294,11 @@ class TorchBackend:
             self._report_missing(g, ev.worker, ev.blocks, len(ev.blocks) * bs,
                                  f"decode at position {ev.position} (its own KV)", line, [], None, None)
         else:
-            self._write_positions(w, ev.blocks, [g.tag], ev.position, [(ev.input_token + 1) & _M32], line)
+            # a decode writes its input's KV at its position; under recompute the
+            # first decode recomputes the last prompt token's, which is prompt KV
+            recomputed = self._recompute and ev.position == self._prompt(g) - 1
+            code = _PROMPT if recomputed else (ev.input_token + 1) & _M32
+            self._write_positions(w, ev.blocks, [g.tag], ev.position, [code], line)
             o = g.orig.get(ev.worker)
             if o and o.pop(ev.position, None) is not None:
                 g.invalidate(ev.worker, ev.position // bs)

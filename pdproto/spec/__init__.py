@@ -35,6 +35,7 @@ from ._history import KV_LAYOUTS as KV_LAYOUTS
 from ._history import KVSpec as KVSpec
 from ._history import POLICIES as POLICIES
 from ._history import ROLES as ROLES
+from ._history import BOUNDARIES as BOUNDARIES
 from ._history import WorkerSpec as WorkerSpec
 from ._history import HistoryHeader as HistoryHeader
 from ._history import HistoryReader as HistoryReader
@@ -82,6 +83,7 @@ __all__ = [
     "KVSpec",
     "POLICIES",
     "ROLES",
+    "BOUNDARIES",
     "WorkerSpec",
     "HistoryHeader",
     "HistoryReader",

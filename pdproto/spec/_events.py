@@ -78,6 +78,8 @@ FEATURES: Mapping[str, str] = {
     "partial-block transfers",
     "kv": "the header's kv object: the KV layout (dtype, fp8 scales, MLA)",
     "parallel": "tp and pp on a declared worker: tensor- and pipeline-parallel ranks per worker",
+    "boundary": "the header's boundary: the first-token convention (the seed's sampled token, or "
+    "vLLM's recompute of the last prompt token)",
 }
 #: Event kinds that exist only with a feature declared.
 FEATURE_KINDS: Mapping[str, str] = {"share": "share"}

@@ -55,6 +55,7 @@ __all__ = [
     "MAX_LINE_BYTES",
     "POLICIES",
     "ROLES",
+    "BOUNDARIES",
     "WorkerSpec",
     "HistoryHeader",
     "HistoryReader",
@@ -76,6 +77,11 @@ MAX_LINE_BYTES = 4 << 20
 _CHUNK = 1 << 20
 POLICIES = ("push", "pull")
 ROLES = ("prefill", "decode")
+#: The first-token conventions (the header's ``boundary``, format 1.1 feature
+#: ``boundary``): ``sampled``, the seed's (P samples the first token; D feeds
+#: it at position prompt_len), and ``recompute``, vLLM's (P's sampled token is
+#: discarded; D recomputes the last prompt token at position prompt_len - 1).
+BOUNDARIES = ("sampled", "recompute")
 
 
 def _role(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -235,7 +241,9 @@ class HistoryHeader:
     ``policy`` is ``"push"`` (D capacity reserved before prefill) or ``"pull"``;
     ``complete`` says the history runs until the system went quiet, so the
     end-of-history checks apply; ``workers``, when given, declares every
-    worker's pool.  ``extra`` keeps unknown header keys.
+    worker's pool.  ``extra`` keeps unknown header keys.  ``boundary`` is
+    the first-token convention (:data:`BOUNDARIES`; anything but the default
+    ``"sampled"`` needs feature ``boundary``, format 1.1).
     """
 
     policy: str = attrs.field(default="push", validator=_policy)
@@ -247,6 +255,7 @@ class HistoryHeader:
     extra: dict = attrs.field(factory=dict, hash=False, repr=False)
     features: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     kv: KVSpec | None = None
+    boundary: str = "sampled"
 
     def __attrs_post_init__(self) -> None:
         unknown = sorted(f for f in self.features if f not in FEATURES)
@@ -258,9 +267,13 @@ class HistoryHeader:
             raise ValueError(f"version must be one of {FORMAT_VERSIONS}, got {self.version!r}")
         elif self.version == 1 and self.features:
             raise ValueError(f"features {sorted(self.features)} need version '1.1', not 1")
+        if self.boundary not in BOUNDARIES:
+            raise ValueError(f"boundary must be one of {', '.join(BOUNDARIES)}, got {self.boundary!r}")
         used = set()
         if self.kv is not None:
             used.add("kv")
+        if self.boundary != "sampled":
+            used.add("boundary")
         if self.workers and any(w.tp is not None or w.pp is not None for w in self.workers.values()):
             used.add("parallel")
         missing = sorted(used - self.features)
@@ -275,6 +288,8 @@ class HistoryHeader:
         out["complete"] = self.complete
         if self.kv is not None:
             out["kv"] = self.kv.to_dict()
+        if "boundary" in self.features:
+            out["boundary"] = self.boundary
         if self.workers is not None:
             out["workers"] = {name: spec.to_dict() for name, spec in self.workers.items()}
         for key, value in self.extra.items():
@@ -379,12 +394,23 @@ class HistoryHeader:
                         field=f"workers.{name}.pp",
                         value=spec.pp,
                     )
+        boundary = "sampled"
+        if version != 1 and "boundary" in obj:
+            if "boundary" not in features:
+                raise undeclared_feature("boundary", "boundary", features, "boundary")
+            boundary = obj["boundary"]
+            if boundary not in BOUNDARIES:
+                raise HistoryFormatError(
+                    f"boundary must be one of {', '.join(BOUNDARIES)}, got {boundary!r:.80}",
+                    field="boundary",
+                    value=boundary,
+                )
         known = {"pdproto", "version", "policy", "complete", "workers"}
         if version != 1:
-            known |= {"features", "kv"}
+            known |= {"features", "kv", "boundary"}
         extra = {k: v for k, v in obj.items() if k not in known}
         return cls(policy=policy, complete=complete, workers=specs, extra=extra, version=version,
-                   features=features, kv=kv)
+                   features=features, kv=kv, boundary=boundary)
 
 
 def _parallel(

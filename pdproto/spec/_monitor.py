@@ -62,7 +62,7 @@ from ._events import (
     TransferStart,
     TransferWriteDone,
 )
-from ._history import POLICIES, HistoryHeader, KVSpec, WorkerSpec
+from ._history import BOUNDARIES, POLICIES, HistoryHeader, KVSpec, WorkerSpec
 
 __all__ = ["INVARIANTS", "END_INVARIANTS", "Violation", "Monitor", "check_invariant_ids"]
 
@@ -91,7 +91,8 @@ INVARIANTS: Mapping[str, str] = {
     "or a transfer writes into a block another generation shares",
     "decode-before-commit": "decode without an earlier commit of that generation on that worker",
     "first-token-boundary": "the first decode is not at position prompt_len (== processed_len, plus "
-    "the prefix a prefix-cache hit skipped) with the first token as input",
+    "the prefix a prefix-cache hit skipped) with the first token as input; under the header's "
+    "boundary recompute (vLLM's convention), not at position prompt_len - 1",
     "decode-continuity": "a later decode skips a position, feeds another token, or exceeds "
     "max_new_tokens",
     "reserve-before-prefill": "(push) prefill_start without an open reservation of that generation",
@@ -273,7 +274,7 @@ class Monitor:
         "failed": "id",
     }
     __slots__ = (
-        ("policy", "complete", "workers", "kv", "block_size", "skip", "violations", "line", "events", "_out")
+        ("policy", "complete", "workers", "kv", "block_size", "boundary", "skip", "violations", "line", "events", "_out")
         + _VERDICT
         + ("_lines",)  # witness bookkeeping, not part of key()
     )
@@ -287,13 +288,19 @@ class Monitor:
         skip: Iterable[str] = (),
         kv: KVSpec | None = None,
         block_size: int | None = None,
+        boundary: str = "sampled",
     ) -> None:
         if policy not in POLICIES:
             raise UsageError("policy", policy, " or ".join(POLICIES))
+        if boundary not in BOUNDARIES:
+            raise UsageError("boundary", boundary, " or ".join(BOUNDARIES))
         if block_size is not None and (type(block_size) is not int or block_size < 1):
             raise UsageError("block_size", block_size, "an integer >= 1, or None")
         self.policy = policy
         self.complete = complete
+        # the first-token convention: "recompute" (vLLM's) moves the first
+        # decode to position prompt_len - 1, which D computes itself
+        self.boundary = boundary
         self.workers = dict(workers) if workers is not None else None
         self.kv = kv  # its layers make a commit's readiness cover every layer
         # tokens per block (format 1.1 only): positions become blocks of the
@@ -330,6 +337,7 @@ class Monitor:
             skip=skip,
             kv=header.kv,
             block_size=header.block_size if header.version != 1 else None,
+            boundary=header.boundary,
         )
 
     # -- public -------------------------------------------------------------
@@ -392,6 +400,7 @@ class Monitor:
         new.workers = self.workers
         new.kv = self.kv
         new.block_size = self.block_size
+        new.boundary = self.boundary
         new.skip = self.skip
         new.violations = list(self.violations)
         new.line = self.line
@@ -430,11 +439,12 @@ class Monitor:
         skip: Iterable[str] = (),
         kv: KVSpec | None = None,
         block_size: int | None = None,
+        boundary: str = "sampled",
     ) -> "Monitor":
         """A new monitor (set up as :class:`Monitor` is) in the verdict state
         ``key``, a :meth:`key` value."""
         return cls(policy, complete=complete, workers=workers, skip=skip, kv=kv,
-                   block_size=block_size).with_key(key)
+                   block_size=block_size, boundary=boundary).with_key(key)
 
     @classmethod
     def renamed_key(cls, key: tuple, names: Any, blocks: Mapping[tuple[str, int], int] | None = None) -> tuple:
@@ -924,6 +934,10 @@ class Monitor:
         if layers is None:
             layers = max([t.layers[1] for t in mine if t.layers is not None], default=1)
         end = self._gen(key).prompt_len
+        if end is not None and self.boundary == "recompute":
+            end -= 1  # D computes the last prompt position itself
+            if end <= start:
+                return None
         if end is None:
             end = max([t.tokens[1] for t in mine if t.tokens is not None], default=start + 1)
             if not landed:
@@ -1006,18 +1020,23 @@ class Monitor:
     def _first_decode(self, ev: Decode, key: tuple[str, int], g: _Gen, line: int) -> None:
         witness = [self._lines.get(("prefill_done", key)), self._lines.get(("submit", key))]
         problem = None
+        recompute = self.boundary == "recompute"
+        back = 1 if recompute else 0  # recompute: D first feeds the last prompt token, at prompt_len - 1
         if g.first_token is None:
             problem = "no prefill_done recorded the first token"
         elif g.cached:
-            problem = self._cached_boundary(ev, g)
-        elif ev.position != g.processed_len:
+            problem = self._cached_boundary(ev, g, back)
+        elif ev.position != g.processed_len - back:
             problem = (
                 f"position {ev.position}, but prefill processed {g.processed_len} tokens: the "
-                f"first token goes at position {g.processed_len}"
+                + (f"last prompt token is recomputed at position {g.processed_len - 1} (boundary "
+                   "recompute)" if recompute else f"first token goes at position {g.processed_len}")
             )
         elif g.prompt_len is not None and g.processed_len != g.prompt_len:
             problem = f"prefill processed {g.processed_len} tokens of a {g.prompt_len}-token prompt"
-        if problem is None and ev.input_token != g.first_token:
+        # recompute: the input is the last prompt token, which no event records; P's sampled
+        # token is discarded, so there is nothing to compare it with
+        if problem is None and not recompute and ev.input_token != g.first_token:
             problem = f"input_token {ev.input_token}, but prefill sampled first token {g.first_token}"
         if problem is not None:
             self._report(
@@ -1032,11 +1051,12 @@ class Monitor:
         self._check_budget(ev, key, g, 0, line)
 
     @staticmethod
-    def _cached_boundary(ev: Decode, g: _Gen) -> str | None:
+    def _cached_boundary(ev: Decode, g: _Gen, back: int) -> str | None:
         """first-token-boundary after a prefix-cache hit of ``g.cached`` positions
         on the prefill worker: prefill processed either the whole prompt or the
         rest after the cached prefix, and the first token goes where the prompt
-        ends (the caller checks the token it feeds, as without a hit)."""
+        ends (``back`` = 1: the last prompt token goes one position earlier;
+        the caller checks the token it feeds, as without a hit)."""
         processed, cached = g.processed_len, g.cached
         assert processed is not None
         ends = {processed, processed + cached}
@@ -1047,11 +1067,13 @@ class Monitor:
                     f"prompt has {g.prompt_len} tokens"
                 )
             ends = {g.prompt_len}
-        if ev.position not in ends:
+        if ev.position + back not in ends:
             end = " or ".join(str(e) for e in sorted(ends))
+            at = " or ".join(str(e - back) for e in sorted(ends))
+            what = "the last prompt token is recomputed" if back else "the first token goes"
             return (
                 f"position {ev.position}, but the prompt ends at {end} (prefill processed {processed} "
-                f"tokens after a cached prefix of {cached}): the first token goes at position {end}"
+                f"tokens after a cached prefix of {cached}): {what} at position {at}"
             )
         return None
 
@@ -1078,7 +1100,9 @@ class Monitor:
             self._check_budget(ev, key, g, decodes, line)
 
     def _check_budget(self, ev: Decode, key: tuple[str, int], g: _Gen, decodes: int, line: int) -> None:
-        produced = decodes + 2  # the first token, the earlier decodes' outputs and this one's
+        # the first token (sampled: P's; recompute: P's is discarded), the
+        # earlier decodes' outputs and this one's
+        produced = decodes + (1 if self.boundary == "recompute" else 2)
         if g.max_new is not None and produced > g.max_new:
             self._report(
                 "decode-continuity",
