@@ -64,26 +64,29 @@ What a hook-level recorder cannot see, and how it shows:
 from __future__ import annotations
 
 import heapq
-import json
 import os
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from ._support import require_vllm
+
+require_vllm()  # one clear error outside the supported vLLM versions
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorRole,
     SupportsHMA,
     supports_hma,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
     NixlPullConnector as _NixlPull,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
     NixlPushConnector as _NixlPush,
 )
 
-from ..._errors import HistoryFormatError, UsageError
-from ...spec._events import (
+from ..._errors import HistoryFormatError, UsageError  # noqa: E402
+from ...spec._events import (  # noqa: E402
     Alloc,
     Cancel,
     Commit,
@@ -102,7 +105,7 @@ from ...spec._events import (
     TransferStart,
     TransferWriteDone,
 )
-from ...spec._history import HistoryHeader, HistoryWriter, KVSpec, WorkerSpec, open_history
+from ...spec._history import HistoryHeader, HistoryWriter, KVSpec, WorkerSpec, open_history  # noqa: E402
 
 __all__ = [
     "RecordingConnector",

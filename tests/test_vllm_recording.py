@@ -1,0 +1,248 @@
+"""The recording connector (pdproto.adapters.vllm.recording), tested inside
+the vLLM adapter's harness: real P and D vLLM schedulers whose connector is
+the recording wrapper around NIXL's, loaded by vLLM through
+``kv_connector_module_path``; fake workers below them.  What the two
+recorders write, merged, must audit as the scenario really went: clean when
+it was, and with the invariant the real behaviour breaks when it was not."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from pdproto.drivers import audit  # noqa: E402
+
+recording = pytest.importorskip("pdproto.adapters.vllm.recording")
+
+MODULE = "pdproto.adapters.vllm.recording"
+PROMPT = list(range(10, 20))  # 10 tokens: 3 blocks of 4
+
+
+# -- fast: no engine --------------------------------------------------------------
+
+
+def test_every_connector_method_goes_to_the_wrapped_connector():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    cls = recording.RecordingConnector
+    names = [n for n, v in vars(KVConnectorBase_V1).items()
+             if callable(v) and not (n.startswith("__") and n.endswith("__"))]
+    assert "update_state_after_alloc" in names and "start_load_kv" in names
+    inherited = [n for n in names if n not in vars(cls)]
+    assert not inherited, f"left to the base class, not forwarded: {inherited}"
+    assert not cls.__abstractmethods__
+    # the names vLLM resolves through kv_connector_module_path
+    assert recording.NixlConnector is cls
+    assert issubclass(recording.NixlPullConnector, cls)
+
+
+def test_the_push_family_is_refused_with_one_clear_error():
+    with pytest.raises(recording.UsageError, match="pdproto_inner.*NixlPushConnector.*pull"):
+        recording._inner_class({"pdproto_inner": "NixlPushConnector"}, "NixlConnector")
+    with pytest.raises(recording.UsageError, match="pdproto_inner.*'Nope'.*NixlConnector"):
+        recording._inner_class({"pdproto_inner": "Nope"}, "NixlConnector")
+
+
+def _write(path, header, events):
+    with open(path, "w") as fh:
+        fh.write(json.dumps(header) + "\n")
+        for e in events:
+            fh.write(json.dumps(e) + "\n")
+
+
+def _header(engine, role):
+    return {"pdproto": "history", "version": "1.1", "features": ["boundary"], "policy": "pull",
+            "complete": False, "boundary": "recompute",
+            "vllm": {"engine_id": engine, "role": role, "num_blocks": 8}}
+
+
+def test_merge_orders_by_time_and_declares_the_workers(tmp_path):
+    p, d, out = tmp_path / "p.jsonl", tmp_path / "d.jsonl", tmp_path / "m.jsonl"
+    _write(p, _header("P", "prefill"), [
+        {"ev": "submit", "request": "r", "gen": 0, "prompt_len": 4, "t": 1},
+        {"ev": "prefill_start", "request": "r", "gen": 0, "worker": "P", "blocks": [1], "t": 2},
+        {"ev": "prefill_done", "request": "r", "gen": 0, "worker": "P", "first_token": 9,
+         "processed_len": 4, "t": 3},
+        {"ev": "free", "worker": "P", "blocks": [1], "request": "r", "gen": 0, "t": 6.5},
+    ])
+    _write(d, _header("D", "decode"), [
+        {"ev": "reserve", "request": "r", "gen": 0, "ticket": "k", "worker": "D", "blocks": [2], "t": 4},
+        {"ev": "transfer_start", "transfer": "x", "ticket": "k", "request": "r", "gen": 0, "src": "P",
+         "src_blocks": [1], "dst": "D", "dst_blocks": [2], "t": 5},
+        {"ev": "transfer_read_done", "transfer": "x", "t": 7},
+        {"ev": "transfer_write_done", "transfer": "x", "t": 7},
+    ])
+    assert recording.merge_histories([p, d], out) == 9
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["workers"] == {"P": {"role": "prefill", "blocks": 8}, "D": {"role": "decode", "blocks": 8}}
+    assert lines[0]["complete"] is False and lines[0]["boundary"] == "recompute"
+    assert [e["t"] for e in lines[1:]] == [1, 2, 3, 4, 5, 6.5, 7, 7]
+    # P freed its source (6.5) before D's read finished (7)
+    assert [v.invariant for v in audit(out).violations] == ["early-source-free"]
+
+
+def test_merge_refuses_files_of_two_deployments(tmp_path):
+    p, d = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
+    _write(p, _header("P", "prefill"), [])
+    _write(d, {**_header("D", "decode"), "policy": "push"}, [])
+    with pytest.raises(recording.UsageError, match="policy.*'push'.*'pull'"):
+        recording.merge_histories([p, d], tmp_path / "m.jsonl")
+
+
+def test_merge_needs_each_events_time(tmp_path):
+    p = tmp_path / "p.jsonl"
+    _write(p, _header("P", "prefill"), [{"ev": "submit", "request": "r", "gen": 0, "prompt_len": 4}])
+    with pytest.raises(recording.HistoryFormatError, match=r"p\.jsonl:2: field 't'"):
+        recording.merge_histories([p], tmp_path / "m.jsonl")
+
+
+# -- inside the harness: real schedulers ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    harness_mod = pytest.importorskip("pdproto.adapters.vllm._harness")
+    where = tmp_path_factory.mktemp("recorded")
+    mp = pytest.MonkeyPatch()
+    mp.setenv(recording.ENV_HISTORY, str(where / "{role}.jsonl"))
+    ticks = itertools.count(1)
+    mp.setattr(recording, "clock", lambda: next(ticks) * 1_000_000)  # one shared, exact order
+    h = harness_mod.VllmHarness("pull", connector=("NixlConnector", MODULE), lease=30)
+    yield h
+    h.close()
+    mp.undo()
+
+
+def step(h, side):
+    so = h.schedule(side)
+    h.start_load(side, so)
+    out, _ = h.execute(side, so)
+    return h.update(side, so, out)
+
+
+def params_from(outputs):
+    for eco in outputs.values():
+        for o in eco.outputs:
+            if o.kv_transfer_params:
+                return o.kv_transfer_params
+    raise AssertionError("P returned no kv_transfer_params")
+
+
+def handoff(h, max_tokens=3):
+    """P prefills r1; D takes it as d1 and starts reading (WAITING_FOR_REMOTE_KVS)."""
+    h.reset()
+    h.add_request("P", "r1", PROMPT, 1, {"do_remote_decode": True, "do_remote_prefill": False})
+    params = params_from(step(h, "P"))
+    h.pair("r1", "d1")
+    h.add_request("D", "d1", PROMPT, max_tokens, params)
+    step(h, "D")
+    assert h.sched["D"].requests["d1"].status.name == "WAITING_FOR_REMOTE_KVS"
+    assert h.running_transfers()
+
+
+def drain(h, steps=6):
+    for _ in range(steps):
+        step(h, "D")
+        step(h, "P")
+
+
+def recorded(h, tmp_path, complete=True):
+    """The merged history of both recorders, and its audit."""
+    paths = [h.sched[s].connector.history_path for s in ("P", "D")]
+    assert all(paths), "the recording connector did not record"
+    out = tmp_path / "merged.jsonl"
+    recording.merge_histories(paths, out, complete=complete)
+    events = [json.loads(x) for x in out.read_text().splitlines()[1:]]
+    return events, sorted({v.invariant for v in audit(out).violations})
+
+
+def kinds(events):
+    return [e["ev"] for e in events]
+
+
+@pytest.mark.slow
+def test_vllm_resolves_the_recording_class_by_module_path(harness):
+    for side in ("P", "D"):
+        connector = harness.sched[side].connector
+        assert type(connector) is recording.RecordingConnector
+        assert type(connector.inner).__name__ == "NixlPullConnector"
+        assert connector.history_path and os.path.exists(connector.history_path)
+        with open(connector.history_path) as fh:
+            header = json.loads(fh.readline())  # the header is the first line, written at start
+        assert header["vllm"]["role"] == ("prefill" if side == "P" else "decode")
+        assert header["complete"] is False and header["boundary"] == "recompute"
+
+
+@pytest.mark.slow
+def test_clean_handoff_records_a_clean_history(harness, tmp_path):
+    h = harness
+    handoff(h)
+    h.complete("d1")
+    drain(h)
+    assert not h.sched["D"].requests and not h.sched["P"].requests
+    events, violations = recorded(h, tmp_path)
+    assert violations == []
+    assert kinds(events) == [
+        "submit", "prefill_start", "prefill_done", "reserve", "transfer_start",
+        "transfer_read_done", "transfer_write_done", "commit", "free",  # P frees after D's notification
+        "decode", "decode", "decode", "finish", "free",
+    ]
+    start = events[4]
+    assert start["src"] == h.P_ENGINE and start["dst"] == h.D_ENGINE
+    assert start["src_blocks"] == events[1]["blocks"] and start["dst_blocks"] == events[3]["blocks"]
+    first = events[9]
+    assert first["position"] == len(PROMPT) - 1 and first["input_token"] == PROMPT[-1]  # recompute
+
+
+@pytest.mark.slow
+def test_cancel_at_d_while_waiting_holds_blocks_until_the_late_notification(harness, tmp_path):
+    h = harness
+    handoff(h)
+    from vllm.v1.request import RequestStatus
+
+    h.sched["D"].finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+    drain(h, 2)
+    assert h.block_ids("D"), "vLLM keeps D's blocks while the read may still land"
+    events, violations = recorded(h, tmp_path)
+    assert "cancel" in kinds(events) and kinds(events).count("free") == 0
+    assert violations == ["leak"]  # if the notification never comes
+
+    h.complete("d1")  # the late notification
+    drain(h)
+    events, violations = recorded(h, tmp_path)
+    assert violations == []
+    assert kinds(events)[-4:] == ["transfer_read_done", "transfer_write_done", "free", "free"]
+
+
+@pytest.mark.slow
+def test_p_lease_expiring_while_d_reads_is_an_early_source_free(harness, tmp_path):
+    h = harness
+    handoff(h)
+    h.clock.advance(h.lease + 1)
+    step(h, "P")  # P's worker reports the expired lease as finished_sending: P frees
+    step(h, "P")
+    assert not h.block_ids("P")
+    h.complete("d1")  # D's read, still running, completes after the free
+    drain(h)
+    events, violations = recorded(h, tmp_path)
+    assert violations == ["early-source-free"]
+    assert kinds(events).index("free") < kinds(events).index("transfer_read_done")
+
+
+@pytest.mark.slow
+def test_failed_read_records_transfer_failed_and_no_commit(harness, tmp_path):
+    h = harness
+    handoff(h)
+    h.fail("d1")
+    drain(h, 2)
+    h.clock.advance(h.lease + 1)  # no notification reaches P: its lease frees the blocks
+    drain(h)
+    events, violations = recorded(h, tmp_path)
+    assert "transfer_failed" in kinds(events) and "commit" not in kinds(events)
+    assert kinds(events).count("free") == 2
+    assert violations == []
