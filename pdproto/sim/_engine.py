@@ -1,0 +1,1250 @@
+"""The discrete-event simulator: three serving arms at the same device budget.
+
+Arms (``SimConfig.arm``):
+
+``colocated``
+    ``devices // tp`` instances, each continuous batching, prefill first
+    (vLLM without chunked prefill): a step is either a prefill batch of
+    waiting prompts (while KV blocks and ``max_batch_tokens`` allow) or one
+    decode token for every running sequence.
+``chunked``
+    the same instances, Sarathi-style: every step decodes one token for each
+    running sequence and fills the rest of a ``chunk_tokens`` budget with
+    prompt chunks.
+``pd``
+    ``n_p`` prefill instances (tp ``tp_p``) and ``n_d`` decode instances (tp
+    ``tp_d``).  Every handoff is the reference protocol, push policy:
+    submit -> reserve (D blocks for the prompt) -> prefill_start ->
+    prefill_done -> transfer_start -> transfer_read_done -> free (P) ->
+    transfer_write_done -> commit -> decode ... -> finish -> free (D), as
+    :mod:`pdproto.spec` events.  With a monitor (the default) each event is
+    judged as it happens and the first violation stops the run, naming the
+    request and the simulated time.  ``history`` writes the events.
+
+KV capacity is in blocks of ``block_size`` tokens per instance and enforced:
+a prompt is admitted only when its blocks are free; a decode that needs a new
+block when none is free preempts the most recently admitted sequence
+(recompute, vLLM's default): colocated it goes back to the queue, on D its
+generation fails and a new generation goes through the whole handoff again.
+A prompt larger than an instance, a queue over ``max_queue`` or a wait over
+``queue_timeout_s`` rejects the request.
+
+Transfers (PD): ``latency_ms + bytes / bandwidth`` per P instance's egress
+(``links`` links of ``bandwidth_gibps`` each), fair-shared among the
+transfers leaving the same P instance.  ``layerwise`` overlaps the transfer
+with the prefill: only what the egress could not carry during the prefill,
+and at least one layer's share, is left after it.  Faults: a transfer fails
+with probability ``transfer_fail_rate``; one still running after
+``transfer_timeout_ms`` is aborted.  Either fails the generation and retries
+with a new one (at most ``max_retries`` times; then the request fails).
+Client cancellations come with the workload (``cancel_at`` / ``cancel_phase``).
+
+Everything streams: finished requests go to ``sink`` as
+``RequestRecord``s, events to the monitor and the history; the simulator
+keeps only live requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time as _time
+from collections import deque
+from typing import IO, Any, Callable, Iterable, Iterator
+
+import attrs
+
+from .._errors import UsageError
+from ..spec import (
+    Alloc,
+    Cancel,
+    Commit,
+    Decode,
+    Fail,
+    Finish,
+    Free,
+    HistoryHeader,
+    HistoryWriter,
+    Monitor,
+    PrefillDone,
+    PrefillStart,
+    Reserve,
+    Submit,
+    TransferAbort,
+    TransferFailed,
+    TransferReadDone,
+    TransferStart,
+    TransferWriteDone,
+    WorkerSpec,
+)
+from ._latency import DEVICES, MODELS, PiecewiseLinear, Roofline, device_spec, model_spec
+
+__all__ = ["ARMS", "SimConfig", "SimResult", "simulate", "latency_for"]
+
+ARMS = ("colocated", "chunked", "pd")
+DECODE_EVENTS = ("first", "all")
+CANCEL_PHASES = ("queued", "prefill", "transfer", "decode")
+GIB = 2**30
+
+# event kinds on the heap
+_ARRIVE, _STEP, _XSTART, _XJOIN, _XDONE, _CANCEL, _TIMEOUT, _QTIMEOUT = range(8)
+_DSTEP = ("d",)  # the batch of a pure decode step
+# request states
+_RQ, _PQ, _PRE, _COORD, _XFER, _DEC, _DONE = range(7)
+
+
+def _pos(_i: object, a: attrs.Attribute, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == math.inf:
+        raise UsageError(a.name, v, "a positive finite number")
+
+
+def _nonneg(_i: object, a: attrs.Attribute, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == math.inf:
+        raise UsageError(a.name, v, "a finite number >= 0")
+
+
+def _posint(_i: object, a: attrs.Attribute, v: object) -> None:
+    if type(v) is not int or v < 1:
+        raise UsageError(a.name, v, "an integer >= 1")
+
+
+def _optpos(_i: object, a: attrs.Attribute, v: object) -> None:
+    if v is not None:
+        _pos(_i, a, v)
+
+
+def _rate(_i: object, a: attrs.Attribute, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+        raise UsageError(a.name, v, "a probability in [0, 1)")
+
+
+@attrs.frozen
+class SimConfig:
+    """One configuration of one arm.  ``devices`` is the budget of the
+    colocated arms (``devices // tp`` instances); the PD arm uses ``n_p * tp_p
+    + n_d * tp_d`` devices.  ``kv_blocks`` is per instance (None: what fits
+    beside the weights, from the model and device)."""
+
+    arm: str = attrs.field(default="pd", validator=attrs.validators.in_(ARMS))
+    model: str = "llama-3-8b"
+    device: str = "h100-sxm"
+    devices: int = attrs.field(default=2, validator=_posint)
+    tp: int = attrs.field(default=1, validator=_posint)
+    n_p: int = attrs.field(default=1, validator=_posint)
+    n_d: int = attrs.field(default=1, validator=_posint)
+    tp_p: int = attrs.field(default=1, validator=_posint)
+    tp_d: int = attrs.field(default=1, validator=_posint)
+    block_size: int = attrs.field(default=64, validator=_posint)
+    kv_blocks: int | None = attrs.field(default=None)
+    memory_fraction: float = attrs.field(default=0.9, validator=_pos)
+    max_batch_tokens: int = attrs.field(default=8192, validator=_posint)
+    max_batch_seqs: int = attrs.field(default=256, validator=_posint)
+    chunk_tokens: int = attrs.field(default=512, validator=_posint)
+    bandwidth_gibps: float = attrs.field(default=25.0, validator=_pos)
+    latency_ms: float = attrs.field(default=0.05, validator=_nonneg)
+    links: int = attrs.field(default=1, validator=_posint)
+    layerwise: bool = False
+    coord_ms: float = attrs.field(default=2.0, validator=_nonneg)
+    transfer_fail_rate: float = attrs.field(default=0.0, validator=_rate)
+    transfer_timeout_ms: float | None = attrs.field(default=None, validator=_optpos)
+    max_retries: int = attrs.field(default=3, validator=_nonneg)
+    queue_timeout_s: float | None = attrs.field(default=None, validator=_optpos)
+    max_queue: int | None = attrs.field(default=None)
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        model_spec(self.model)
+        device_spec(self.device)
+        if self.kv_blocks is not None:
+            _posint(self, attrs.fields(SimConfig).kv_blocks, self.kv_blocks)
+        if self.max_queue is not None:
+            _posint(self, attrs.fields(SimConfig).max_queue, self.max_queue)
+        if self.memory_fraction > 1:
+            raise UsageError("memory_fraction", self.memory_fraction, "a number in (0, 1]")
+        if self.arm != "pd" and self.tp > self.devices:
+            raise UsageError("tp", self.tp, f"at most the device budget {self.devices}")
+
+    @property
+    def used_devices(self) -> int:
+        """Devices the configuration occupies."""
+        if self.arm == "pd":
+            return self.n_p * self.tp_p + self.n_d * self.tp_d
+        return (self.devices // self.tp) * self.tp
+
+    @property
+    def weight_copies(self) -> int:
+        """Model replicas (each instance holds the whole model, sharded over its tp)."""
+        return self.n_p + self.n_d if self.arm == "pd" else self.devices // self.tp
+
+    def label(self) -> str:
+        if self.arm == "pd":
+            return f"pd {self.n_p}P{self.n_d}D tp{self.tp_p}/{self.tp_d}"
+        return f"{self.arm} {self.devices // self.tp}x tp{self.tp}"
+
+
+def latency_for(config: SimConfig, tp: int, table: PiecewiseLinear | None = None) -> Any:
+    """The latency model of an instance of ``tp`` devices: ``table`` when
+    given (the same for every tp), else the roofline of the config's model and
+    device."""
+    if table is not None:
+        return table
+    return Roofline(MODELS[config.model.strip().lower()], DEVICES[config.device.strip().lower()], tp=tp)
+
+
+@attrs.frozen
+class SimResult:
+    """What :func:`simulate` returns.  ``violation`` is None when the monitor
+    found nothing (or did not run); otherwise a dict with the invariant, the
+    request, the simulated time and the message, and the run stopped there."""
+
+    config: SimConfig
+    requests: int
+    finished: int
+    duration: float  # simulated seconds from the first arrival to the last event
+    wall: float
+    pools: dict
+    transfers: dict
+    faults: dict
+    events: int
+    violation: dict | None = None
+    samples: tuple = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+    def to_dict(self) -> dict:
+        return {
+            "config": attrs.asdict(self.config),
+            "label": self.config.label(),
+            "devices": self.config.used_devices,
+            "weight_copies": self.config.weight_copies,
+            "requests": self.requests,
+            "finished": self.finished,
+            "duration_s": self.duration,
+            "wall_s": self.wall,
+            "sim_requests_per_wall_s": self.requests / self.wall if self.wall > 0 else None,
+            "pools": self.pools,
+            "transfers": self.transfers,
+            "faults": self.faults,
+            "events": self.events,
+            "violation": self.violation,
+        }
+
+
+class _Abort(Exception):
+    pass
+
+
+class _Req:
+    __slots__ = (
+        "id", "arrival", "prompt0", "out", "cancel_at", "cancel_phase", "gen", "plen", "produced",
+        "times", "first", "state", "p", "d", "pblocks", "dblocks", "xid", "ticket", "retries",
+        "cancelled", "rejected", "failed", "decodes", "done_pre", "will_fail", "xbytes", "xready",
+        "enq", "pre_dur", "j", "ep", "di",
+    )
+
+    def __init__(self, r: Any) -> None:
+        self.id = r.id
+        self.arrival = r.arrival
+        self.prompt0 = r.prompt_len
+        self.out = r.output_len
+        self.cancel_at = getattr(r, "cancel_at", None)
+        self.cancel_phase = getattr(r, "cancel_phase", None)
+        self.gen = 0
+        self.plen = r.prompt_len  # prompt of this generation (recompute adds produced tokens)
+        self.produced = 0
+        self.times: list[float] = []
+        self.first: float | None = None
+        self.state = _RQ
+        self.p = self.d = None
+        self.pblocks: list[int] = []
+        self.dblocks: list[int] = []
+        self.xid = self.ticket = ""
+        self.retries = 0
+        self.cancelled = self.rejected = self.failed = False
+        self.decodes = 0  # decodes of this generation
+        self.done_pre = 0  # prompt tokens prefilled so far (chunked)
+        self.will_fail = False
+        self.xbytes = 0.0
+        self.xready = 0.0
+        self.enq = 0.0
+        self.pre_dur = 0.0
+        self.j = 0  # decode step of its instance it joined at
+        self.ep = 0  # epoch: grows each time it leaves a running set
+        self.di: Any = None  # the instance it decodes on
+
+
+class _Inst:
+    __slots__ = (
+        "name", "role", "lat", "nblocks", "free", "waiting", "running", "prefilling", "busy", "batch",
+        "busy_time", "kv_area", "q_area", "last", "preempted", "peak_q", "peak_kv", "steps",
+        "egress", "qtok", "pending", "first", "k", "dtimes", "dbase", "ends", "grows", "ctx", "ndec",
+        "cancels",
+    )
+
+    def __init__(self, name: str, role: str, lat: Any, nblocks: int) -> None:
+        self.name = name
+        self.role = role  # "colocated", "prefill" or "decode"
+        self.lat = lat
+        self.nblocks = nblocks
+        self.free = list(range(nblocks - 1, -1, -1))  # pop() gives the lowest id first
+        self.waiting: deque[_Req] = deque()
+        self.running: dict[_Req, None] = {}  # decoding, in admission order
+        self.prefilling: list[_Req] = []  # chunked: admitted, prompt not done
+        self.busy = False
+        self.batch: Any = None
+        self.busy_time = 0.0
+        self.kv_area = 0.0
+        self.q_area = 0.0
+        self.last = 0.0
+        self.preempted = 0
+        self.peak_q = 0
+        self.peak_kv = 0
+        self.steps = 0
+        self.qtok = 0  # prompt tokens waiting (router's load measure)
+        self.pending: list[_Req] = []  # joined, decoding from the next decode step
+        self.first: list[_Req] = []  # in their first decode step
+        self.k = 0  # decode steps started
+        self.dtimes: list[float] = []  # end times of decode steps dbase, dbase + 1, ...
+        self.dbase = 0
+        self.ends: dict[int, list] = {}
+        self.grows: dict[int, list] = {}
+        self.ctx = 0  # KV positions the running sequences read per step
+        self.ndec = 0
+        self.cancels: list[_Req] = []
+        self.egress: _Egress | None = None
+
+
+class _Egress:
+    """Fair-share (processor-sharing) egress of one P instance."""
+
+    __slots__ = ("bw", "active", "last", "version", "peak")
+
+    def __init__(self, bw: float) -> None:
+        self.bw = bw  # bytes per second
+        self.active: dict[_Req, float] = {}  # request -> bytes left
+        self.last = 0.0
+        self.version = 0
+        self.peak = 0
+
+
+def _blocks_for(tokens: int, bs: int) -> int:
+    return -(-tokens // bs)
+
+
+def simulate(
+    requests: Iterable[Any],
+    config: SimConfig,
+    *,
+    sink: Callable[[Any], None] | None = None,
+    monitor: bool = True,
+    history: IO[str] | None = None,
+    decode_events: str = "first",
+    table: PiecewiseLinear | None = None,
+    sample_dt: float | None = None,
+    record: Callable[..., Any] | None = None,
+) -> SimResult:
+    """Run ``requests`` (``SimRequest``-like, sorted by arrival) through the
+    arm ``config`` describes.  Each finished request goes to ``sink`` as a
+    ``RequestRecord`` (built by ``record``, default
+    :class:`pdproto.sim._metrics.RequestRecord`).  The PD arm's handoff events
+    go to an inline :class:`~pdproto.spec.Monitor` (``monitor``) and to
+    ``history`` (a text stream); ``decode_events`` is ``"first"`` (only each
+    generation's first decode, the handoff boundary the monitor judges; the
+    fast default) or ``"all"`` (one event per token).  ``sample_dt`` records
+    pool samples every that many simulated seconds (queue, KV, busy) for the
+    diagnostics and plots.
+    """
+    if decode_events not in DECODE_EVENTS:
+        raise UsageError("decode_events", decode_events, " or ".join(DECODE_EVENTS))
+    if record is None:
+        from ._metrics import RequestRecord as record  # noqa: N813
+    return _Sim(config, sink, monitor, history, decode_events, table, sample_dt, record).run(iter(requests))
+
+
+class _Sim:
+    def __init__(self, cfg: SimConfig, sink: Any, monitor: bool, history: IO[str] | None,
+                 decode_events: str, table: Any, sample_dt: float | None, record: Any) -> None:
+        self.cfg = cfg
+        self.sink = sink
+        self.record = record
+        self.bs = cfg.block_size
+        self.rng = random.Random(cfg.seed)
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.all_decodes = decode_events == "all"
+        self.sample_dt = sample_dt
+        self.samples: list = []
+        self.next_sample = 0.0
+        shape = MODELS[cfg.model.strip().lower()].shape
+        self.kv_tok = shape.bytes_per_token
+        self.layers = shape.layers
+        self.live = 0
+        self.n = 0
+        self.finished = 0
+        self.events = 0
+        self.violation: dict | None = None
+        self.faults = {"transfer_failures": 0, "timeouts": 0, "retries": 0, "preempted": 0, "rejected": 0,
+                       "cancelled": 0, "failed": 0, "recomputed_tokens": 0}
+        self.xfer = {"count": 0, "bytes": 0, "time": 0.0, "wait": 0.0, "max_wait": 0.0, "ideal": 0.0}
+        self.rq: deque[_Req] = deque()  # PD: waiting for a D reservation
+        self.first_arrival: float | None = None
+        self.last_t = 0.0
+        self.d_freed = False
+        self.kicks: set[_Inst] = set()
+
+        def make(role: str, count: int, tp: int, prefix: str) -> list[_Inst]:
+            lat = latency_for(cfg, tp, table)
+            if cfg.kv_blocks is not None:
+                nb = cfg.kv_blocks
+            else:
+                roof = lat if isinstance(lat, Roofline) else latency_for(cfg, tp)
+                nb = roof.kv_capacity_tokens(cfg.memory_fraction) // cfg.block_size
+            if nb < 1:
+                raise UsageError("kv_blocks", 0, f"room for KV on a {role} instance of tp {tp} (weights fill it)")
+            return [_Inst(f"{prefix}{i}", role, lat, nb) for i in range(count)]
+
+        if cfg.arm == "pd":
+            self.P = make("prefill", cfg.n_p, cfg.tp_p, "P")
+            self.D = make("decode", cfg.n_d, cfg.tp_d, "D")
+            bw = cfg.bandwidth_gibps * GIB * cfg.links
+            for p in self.P:
+                p.egress = _Egress(bw)
+            self.pools = {"prefill": self.P, "decode": self.D}
+        else:
+            n = cfg.devices // cfg.tp
+            self.C = make("colocated", n, cfg.tp, "W")
+            self.pools = {"colocated": self.C}
+        self.insts = [i for pool in self.pools.values() for i in pool]
+        self.ev_on = cfg.arm == "pd" and (monitor or history is not None)
+        self.mon: Monitor | None = None
+        self.writer: HistoryWriter | None = None
+        if self.ev_on:
+            workers = {i.name: WorkerSpec(i.role, i.nblocks) for i in self.insts}
+            header = HistoryHeader(policy="push", complete=True, workers=workers,
+                                   extra={"description": f"pdproto simulate: {cfg.label()}"})
+            if monitor:
+                self.mon = Monitor.from_header(header)
+            if history is not None:
+                self.writer = HistoryWriter(history, header)
+
+    # -- plumbing -------------------------------------------------------------
+
+    def push(self, t: float, kind: int, obj: Any, extra: Any = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, obj, extra))
+
+    def emit(self, ev: Any, r: _Req | None = None) -> None:
+        self.events += 1
+        if self.writer is not None:
+            ev.extra["t"] = round(self.now * 1e3, 6)
+            self.writer.write(ev)
+        if self.mon is not None:
+            found = self.mon.feed(ev)
+            if found:
+                v = found[0]
+                self.violation = {
+                    "invariant": v.invariant,
+                    "request": getattr(ev, "request", None) or (r.id if r is not None else None),
+                    "time_s": self.now,
+                    "message": v.message,
+                    "event": ev.to_dict(),
+                }
+                raise _Abort
+
+    def alloc(self, inst: _Inst, n: int) -> list[int] | None:
+        free = inst.free
+        if len(free) < n:
+            return None
+        return [free.pop() for _ in range(n)]
+
+    def release(self, inst: _Inst, blocks: list[int], r: _Req) -> None:
+        if blocks:
+            if self.ev_on:
+                self.emit(Free(inst.name, tuple(blocks), r.id, r.gen), r)
+            inst.free.extend(blocks)
+            blocks.clear()
+            if inst.role == "decode":
+                self.d_freed = True
+            elif not inst.busy:
+                self.kicks.add(inst)
+
+    def account(self, inst: _Inst) -> None:
+        """Integrate queue length and KV use of ``inst`` up to now."""
+        dt = self.now - inst.last
+        if dt > 0:
+            q = len(inst.waiting) + (len(self.rq) if inst.role == "prefill" else 0)
+            inst.q_area += q * dt
+            inst.kv_area += (inst.nblocks - len(inst.free)) * dt
+            inst.last = self.now
+
+    # -- the loop ---------------------------------------------------------------
+
+    def run(self, it: Iterator[Any]) -> SimResult:
+        wall0 = _time.perf_counter()
+        self.it = it
+        self.next_arrival()
+        heap = self.heap
+        pop = heapq.heappop
+        try:
+            while heap:
+                t, _s, kind, obj, extra = pop(heap)
+                self.now = t
+                if self.sample_dt is not None and t >= self.next_sample:
+                    self.sample()
+                if kind == _STEP:
+                    self.step_done(obj)
+                elif kind == _ARRIVE:
+                    self.arrive(obj)
+                    self.next_arrival()
+                elif kind == _XDONE:
+                    if extra == obj.version:
+                        self.egress_done(obj)
+                elif kind == _XSTART:
+                    self.xfer_start(obj, extra)
+                elif kind == _XJOIN:
+                    if obj.state == _XFER and obj.gen == extra:
+                        self.xfer_join(obj)
+                elif kind == _CANCEL:
+                    self.cancel(obj)
+                elif kind == _TIMEOUT:
+                    r = obj
+                    if r.state == _XFER and r.gen == extra:
+                        self.faults["timeouts"] += 1
+                        self.xfer_fail(r, timeout=True)
+                elif kind == _QTIMEOUT:
+                    if obj.state in (_RQ, _PQ) and obj.gen == extra and not obj.cancelled and obj.first is None:
+                        self.reject(obj, "queue timeout")
+                if self.d_freed:
+                    self.d_freed = False
+                    self.drain_rq()
+                while self.kicks:
+                    inst = self.kicks.pop()
+                    if not inst.busy:
+                        self.start_step(inst)
+            self.last_t = self.now
+            if self.mon is not None and self.violation is None:
+                ends = self.mon.finish()
+                if ends:
+                    v = ends[0]
+                    self.violation = {"invariant": v.invariant, "request": v.request, "time_s": self.now,
+                                      "message": v.message, "event": None}
+        except _Abort:
+            pass
+        wall = _time.perf_counter() - wall0
+        for inst in self.insts:
+            self.account(inst)
+        return self.result(wall)
+
+    def next_arrival(self) -> None:
+        r = next(self.it, None)
+        if r is not None:
+            self.n += 1
+            if self.first_arrival is None:
+                self.first_arrival = r.arrival
+            self.push(r.arrival, _ARRIVE, r)
+
+    # -- arrival, cancellation, rejection --------------------------------------
+
+    def arrive(self, raw: Any) -> None:
+        r = _Req(raw)
+        self.live += 1
+        cfg = self.cfg
+        if r.cancel_at is not None and r.cancel_phase is None:
+            self.push(max(r.cancel_at, self.now), _CANCEL, r)
+        if cfg.arm == "pd":
+            if self.ev_on:
+                self.emit(Submit(r.id, 0, r.plen, r.out), r)
+            need_p = _blocks_for(r.plen, self.bs)
+            if need_p > self.P[0].nblocks or need_p + 1 > self.D[0].nblocks:
+                self.reject(r, "prompt larger than an instance's KV")
+                return
+            if cfg.max_queue is not None and len(self.rq) >= cfg.max_queue:
+                self.reject(r, "queue full")
+                return
+            self.enqueue_rq(r)
+        else:
+            if _blocks_for(r.plen + 1, self.bs) > self.C[0].nblocks:
+                self.reject(r, "prompt larger than an instance's KV")
+                return
+            inst = min(self.C, key=lambda i: len(i.waiting) + len(i.running) + len(i.prefilling))
+            if cfg.max_queue is not None and len(inst.waiting) >= cfg.max_queue:
+                self.reject(r, "queue full")
+                return
+            self.account(inst)
+            inst.waiting.append(r)
+            inst.qtok += r.plen
+            r.state = _PQ
+            r.p = inst
+            r.enq = self.now
+            if cfg.queue_timeout_s is not None:
+                self.push(self.now + cfg.queue_timeout_s, _QTIMEOUT, r, r.gen)
+            if r.cancel_phase == "queued":
+                self.cancel(r)
+                return
+            if not inst.busy:
+                self.start_step(inst)
+
+    def enqueue_rq(self, r: _Req, front: bool = False) -> None:
+        r.state = _RQ
+        r.enq = self.now
+        for p in self.P:
+            self.account(p)
+        if front:
+            self.rq.appendleft(r)
+        else:
+            self.rq.append(r)
+        if self.cfg.queue_timeout_s is not None and r.first is None:
+            self.push(self.now + self.cfg.queue_timeout_s, _QTIMEOUT, r, r.gen)
+        if r.cancel_phase == "queued" and r.gen == 0:
+            self.cancel(r)
+            return
+        self.drain_rq()
+
+    def drain_rq(self) -> None:
+        """Reserve D blocks for the head of the reservation queue while some D has room (FIFO)."""
+        rq = self.rq
+        while rq:
+            r = rq[0]
+            if r.state != _RQ or r.cancelled:
+                rq.popleft()
+                continue
+            need = _blocks_for(r.plen, self.bs)
+            if need + 1 > self.D[0].nblocks:  # a retry's recomputed prompt outgrew D
+                rq.popleft()
+                self.give_up(r, "recomputed prompt larger than a decode instance's KV")
+                continue
+            d = max(self.D, key=lambda i: len(i.free))
+            if len(d.free) < need + 1:  # + 1: room for the first decode's block growth
+                return
+            rq.popleft()
+            self.account(d)
+            r.d = d
+            r.dblocks = self.alloc(d, need)  # type: ignore[assignment]
+            r.ticket = f"t-{r.id}-{r.gen}"
+            if self.ev_on:
+                self.emit(Reserve(r.id, r.gen, r.ticket, d.name, tuple(r.dblocks)), r)
+            p = min(self.P, key=lambda i: i.qtok)
+            self.account(p)
+            r.p = p
+            r.state = _PQ
+            p.waiting.append(r)
+            p.qtok += r.plen
+            if not p.busy:
+                self.start_step(p)
+
+    def reject(self, r: _Req, why: str) -> None:
+        if r.state == _RQ and self.cfg.arm == "pd":
+            try:
+                self.rq.remove(r)
+            except ValueError:
+                pass
+        elif r.state == _PQ:
+            inst = r.p
+            self.account(inst)
+            try:
+                inst.waiting.remove(r)
+                inst.qtok -= r.plen
+            except ValueError:
+                pass
+            if self.cfg.arm == "pd":
+                self.release(r.d, r.dblocks, r)
+        r.rejected = True
+        self.faults["rejected"] += 1
+        if self.ev_on:
+            self.emit(Fail(r.id, r.gen, "rejected: " + why), r)
+        self.done(r)
+
+    def cancel(self, r: _Req) -> None:
+        """A client cancel: the generation ends now; what it holds is released
+        at once where nothing reads or writes it, else when that ends."""
+        if r.state == _DONE or r.cancelled:
+            return
+        r.cancelled = True
+        self.faults["cancelled"] += 1
+        pd = self.cfg.arm == "pd"
+        if pd and self.ev_on:
+            self.emit(Cancel(r.id, r.gen, "client"), r)
+        st = r.state
+        if st == _RQ:
+            self.done(r)  # drain_rq skips it
+        elif st == _PQ:
+            inst = r.p
+            self.account(inst)
+            inst.waiting.remove(r)
+            inst.qtok -= r.plen
+            if pd:
+                self.release(r.d, r.dblocks, r)
+            else:
+                self.release(inst, r.dblocks, r)
+            self.done(r)
+        elif st == _COORD:
+            self.release(r.p, r.pblocks, r)
+            self.release(r.d, r.dblocks, r)
+            self.done(r)
+        elif st == _XFER:
+            # abort, wait for the data plane to stop (here: at once), then free both ends
+            if self.ev_on:
+                self.emit(TransferAbort(r.xid), r)
+            self.stop_transfer(r)
+            if self.ev_on:
+                self.emit(TransferFailed(r.xid), r)
+            self.release(r.p, r.pblocks, r)
+            self.release(r.d, r.dblocks, r)
+            self.done(r)
+        elif st == _DEC:
+            inst = r.di
+            if r in inst.pending:
+                inst.pending.remove(r)
+                self.release(inst, r.dblocks, r) if pd else self.drop(inst, r)
+                self.done(r)
+            else:
+                inst.cancels.append(r)  # leaves at the end of the step in progress
+        # _PRE: the step in progress ends first (step_done drops it)
+
+    def give_up(self, r: _Req, why: str) -> None:
+        """The request fails: it can never be served."""
+        r.failed = True
+        if self.ev_on:
+            self.emit(Fail(r.id, r.gen, why), r)
+        self.done(r)
+
+    def done(self, r: _Req) -> None:
+        r.state = _DONE
+        self.live -= 1
+        self.finished += 1
+        if r.failed:
+            self.faults["failed"] += 1
+        if self.sink is not None:
+            self.sink(self.record(
+                id=r.id, arm=self.cfg.arm, arrival=r.arrival, prompt_len=r.prompt0, output_len=r.out,
+                first_token=r.first, finish=self.now if not (r.rejected or r.failed or r.cancelled) else None,
+                token_times=tuple(r.times), rejected=r.rejected, cancelled=r.cancelled, failed=r.failed,
+                retries=r.retries,
+            ))
+
+    # -- steps ------------------------------------------------------------------
+    #
+    # Decoding is kept per instance, not per token: ``k`` counts the decode
+    # steps an instance started, ``dtimes`` holds their end times (from index
+    # ``dbase``), and a sequence that joined at step ``j`` has its tokens at
+    # ``dtimes[j:]``.  ``ends[s]`` and ``grows[s]`` list the sequences whose
+    # last token comes at step ``s`` and that need a new KV block before step
+    # ``s``; entries carry the sequence's epoch (``ep``), so a sequence that
+    # left (preempted, cancelled) is skipped.  A step costs O(1) plus the
+    # sequences that join, grow or leave at it.
+
+    def start_step(self, inst: _Inst) -> None:
+        """Start the next step of an idle instance, if it has work."""
+        self.account(inst)
+        role = inst.role
+        if role == "decode":
+            dur = self.decode_batch(inst)
+            batch = _DSTEP
+        elif role == "prefill":
+            dur, batch = self.prefill_batch(inst, self.cfg.max_batch_tokens)
+        elif self.cfg.arm == "colocated":
+            dur, batch = self.prefill_batch(inst, self.cfg.max_batch_tokens)
+            if dur is None:
+                dur = self.decode_batch(inst)
+                batch = _DSTEP
+        else:
+            dur, batch = self.chunked_batch(inst)
+        if dur is None:
+            inst.busy = False
+            inst.batch = None
+            return
+        inst.busy = True
+        inst.batch = batch
+        inst.busy_time += dur
+        inst.steps += 1
+        used = inst.nblocks - len(inst.free)
+        if used > inst.peak_kv:
+            inst.peak_kv = used
+        self.push(self.now + dur, _STEP, inst)
+
+    def prefill_batch(self, inst: _Inst, cap: int) -> tuple[float | None, Any]:
+        """Admit waiting prompts while blocks and ``cap`` tokens allow."""
+        waiting = inst.waiting
+        if not waiting:
+            return None, None
+        pre: list[_Req] = []
+        tokens = sq = 0
+        bs = self.bs
+        pd = inst.role == "prefill"
+        room = self.cfg.max_batch_seqs - len(inst.running) - len(inst.pending)
+        while waiting and room > 0:
+            r = waiting[0]
+            if pre and tokens + r.plen > cap:
+                break
+            need = _blocks_for(r.plen if pd else r.plen + 1, bs)
+            if len(inst.free) < need:
+                break
+            waiting.popleft()
+            inst.qtok -= r.plen
+            blocks = self.alloc(inst, need)
+            if pd:
+                r.pblocks = blocks  # type: ignore[assignment]
+                if self.ev_on:
+                    self.emit(PrefillStart(r.id, r.gen, inst.name, tuple(blocks)), r)  # type: ignore[arg-type]
+            else:
+                r.dblocks = blocks  # type: ignore[assignment]
+            r.state = _PRE
+            tokens += r.plen
+            sq += r.plen * r.plen
+            pre.append(r)
+            room -= 1
+        if not pre:
+            return None, None
+        for r in pre:
+            if r.cancel_phase == "prefill" and not r.cancelled:
+                self.cancel(r)
+        dur = inst.lat.step(tokens, sq, 0, 0)
+        for r in pre:
+            r.pre_dur = dur
+        return dur, ("p", pre)
+
+    def join(self, inst: _Inst, r: _Req) -> None:
+        """``r`` (first token produced, KV of ``plen`` positions in
+        ``dblocks``) decodes on ``inst`` from its next decode step."""
+        r.state = _DEC
+        r.di = inst
+        inst.pending.append(r)
+
+    def admit_pending(self, inst: _Inst) -> None:
+        s = inst.k
+        bs = self.bs
+        for r in inst.pending:
+            r.j = s
+            inst.running[r] = None
+            inst.ctx += r.plen
+            left = r.out - r.produced  # decodes still to run
+            last = s + left - 1
+            ends = inst.ends.get(last)
+            if ends is None:
+                inst.ends[last] = [(r, r.ep)]
+            else:
+                ends.append((r, r.ep))
+            d = len(r.dblocks) * bs - r.plen  # first decode index needing a new block
+            if d < left:
+                self.want_block(inst, r, s + d)
+        inst.first.extend(inst.pending)
+        inst.pending.clear()
+
+    def want_block(self, inst: _Inst, r: _Req, step: int) -> None:
+        g = inst.grows.get(step)
+        if g is None:
+            inst.grows[step] = [(r, r.ep)]
+        else:
+            g.append((r, r.ep))
+
+    def grow(self, inst: _Inst) -> None:
+        """Give the sequences whose next token starts a block a new block,
+        preempting the most recently admitted sequences when none is free."""
+        g = inst.grows.pop(inst.k, None)
+        if not g:
+            return
+        running = inst.running
+        pd = inst.role == "decode"
+        bs = self.bs
+        for r, ep in g:
+            if r.ep != ep or r.state != _DEC:
+                continue
+            while not inst.free:
+                victim = next(reversed(running))
+                self.preempt(inst, victim)
+                if victim is r:
+                    break
+            if r.ep != ep:
+                continue
+            b = inst.free.pop()
+            r.dblocks.append(b)
+            if pd and self.ev_on:
+                self.emit(Alloc(r.id, r.gen, inst.name, (b,)), r)
+            nxt = inst.k + bs
+            if nxt - r.j < r.out - r.produced:
+                self.want_block(inst, r, nxt)
+
+    def leave(self, inst: _Inst, r: _Req, steps: int) -> None:
+        """``r`` leaves the running set after ``steps`` decode steps since it joined."""
+        del inst.running[r]
+        r.ep += 1
+        base = inst.dbase
+        r.times.extend(inst.dtimes[r.j - base:r.j + steps - base])
+        r.produced += steps
+        r.decodes += steps
+        inst.ctx -= r.plen + steps
+
+    def preempt(self, inst: _Inst, r: _Req) -> None:
+        inst.preempted += 1
+        self.faults["preempted"] += 1
+        self.leave(inst, r, inst.k - r.j)
+        if inst.role == "decode":
+            if self.ev_on:
+                self.emit(Fail(r.id, r.gen, "preempted"), r)
+            self.release(inst, r.dblocks, r)
+            self.new_generation(r)
+        else:
+            inst.free.extend(r.dblocks)
+            r.dblocks = []
+            r.plen = r.prompt0 + r.produced
+            if _blocks_for(r.plen + 1, self.bs) > inst.nblocks:
+                self.give_up(r, "recomputed prompt larger than an instance's KV")
+                return
+            self.faults["recomputed_tokens"] += r.plen
+            r.decodes = 0
+            r.done_pre = 0
+            r.state = _PQ
+            inst.waiting.appendleft(r)
+            inst.qtok += r.plen
+
+    def new_generation(self, r: _Req) -> None:
+        """Retry the request as a new generation: recompute its prompt and the
+        tokens it produced, through the whole handoff."""
+        r.gen += 1
+        r.plen = r.prompt0 + r.produced
+        self.faults["recomputed_tokens"] += r.plen
+        r.decodes = 0
+        r.will_fail = False
+        if self.ev_on:
+            self.emit(Submit(r.id, r.gen, r.plen, r.out - r.produced), r)
+        self.enqueue_rq(r, front=True)
+
+    def decode_batch(self, inst: _Inst) -> float | None:
+        if inst.pending:
+            self.admit_pending(inst)
+        if not inst.running:
+            return None
+        self.grow(inst)
+        if not inst.running:
+            inst.first.clear()
+            return None
+        inst.k += 1
+        inst.ndec = len(inst.running)
+        return inst.lat.step(0, 0, inst.ndec, inst.ctx)
+
+    def chunked_batch(self, inst: _Inst) -> tuple[float | None, Any]:
+        if inst.pending:
+            self.admit_pending(inst)
+        if inst.running:
+            self.grow(inst)
+        running = inst.running
+        budget = self.cfg.chunk_tokens - len(running)
+        chunks: list[tuple[_Req, int]] = []
+        tokens = sq = 0
+        pref = inst.prefilling
+        waiting = inst.waiting
+        room = self.cfg.max_batch_seqs - len(running) - len(pref)
+        # admit new prompts (their whole prompt's blocks) while the budget lasts
+        while waiting and room > 0 and budget > sum(r.plen - r.done_pre for r in pref):
+            r = waiting[0]
+            need = _blocks_for(r.plen + 1, self.bs)
+            if len(inst.free) < need:
+                break
+            waiting.popleft()
+            inst.qtok -= r.plen
+            r.dblocks = self.alloc(inst, need)  # type: ignore[assignment]
+            r.state = _PRE
+            r.done_pre = 0
+            pref.append(r)
+            room -= 1
+            if r.cancel_phase == "prefill" and not r.cancelled:
+                self.cancel(r)
+        for r in pref:
+            if budget <= 0:
+                break
+            c = min(budget, r.plen - r.done_pre)
+            k = r.done_pre
+            chunks.append((r, c))
+            tokens += c
+            sq += (k + c) * (k + c) - k * k
+            budget -= c
+        if not running and not chunks:
+            return None, None
+        n = len(running)
+        if n:
+            inst.k += 1
+        else:
+            inst.first.clear()
+        inst.ndec = n
+        return inst.lat.step(tokens, sq, n, inst.ctx), ("c", chunks)
+
+    def step_done(self, inst: _Inst) -> None:
+        now = self.now
+        batch = inst.batch
+        self.account(inst)
+        if batch is _DSTEP or (batch[0] == "c" and inst.ndec):
+            self.decoded(inst)
+        if batch is not _DSTEP:
+            if batch[0] == "p":
+                for r in batch[1]:
+                    self.prefilled(inst, r)
+            else:
+                pref = inst.prefilling
+                for r, c in batch[1]:
+                    if r.cancelled:
+                        continue
+                    r.done_pre += c
+                    if r.done_pre >= r.plen:
+                        pref.remove(r)
+                        self.prefilled(inst, r)
+                for r in [r for r in pref if r.cancelled]:
+                    pref.remove(r)
+                    inst.free.extend(r.dblocks)
+                    r.dblocks = []
+                    self.done(r)
+        if inst.cancels:
+            for r in inst.cancels:
+                if r.state == _DEC and r.di is inst:
+                    self.leave(inst, r, inst.k - r.j)
+                    self.release(inst, r.dblocks, r) if inst.role == "decode" else self.drop(inst, r)
+                    self.done(r)
+            inst.cancels.clear()
+        inst.busy = False
+        self.start_step(inst)
+
+    def drop(self, inst: _Inst, r: _Req) -> None:
+        inst.free.extend(r.dblocks)
+        r.dblocks = []
+
+    def first_token(self, r: _Req, now: float) -> None:
+        r.produced += 1
+        r.times.append(now)
+        if r.first is None:
+            r.first = now
+
+    def decoded(self, inst: _Inst) -> None:
+        """A decode step ended: every running sequence has one more token."""
+        now = self.now
+        s = inst.k - 1
+        inst.dtimes.append(now)
+        inst.ctx += inst.ndec
+        pd = inst.role == "decode"
+        ev = self.ev_on
+        if ev:
+            if self.all_decodes:
+                for r in inst.running:
+                    if r.cancelled:
+                        continue
+                    d = s - r.j
+                    tok = r.produced + d
+                    self.emit(Decode(r.id, r.gen, inst.name, r.plen + d, tok, tok + 1, tuple(r.dblocks)), r)
+            else:
+                for r in inst.first:
+                    if r.state == _DEC and not r.cancelled:
+                        tok = r.produced
+                        self.emit(Decode(r.id, r.gen, inst.name, r.plen, tok, tok + 1, tuple(r.dblocks)), r)
+        for r in inst.first:
+            if r.cancel_phase == "decode" and r.state == _DEC and not r.cancelled:
+                self.cancel(r)
+        inst.first.clear()
+        ends = inst.ends.pop(s, None)
+        if ends:
+            for r, ep in ends:
+                if r.ep != ep or r.state != _DEC or r.cancelled:
+                    continue
+                self.leave(inst, r, s + 1 - r.j)
+                if pd:
+                    if ev:
+                        self.emit(Finish(r.id, r.gen, "length"), r)
+                    self.release(inst, r.dblocks, r)
+                else:
+                    self.drop(inst, r)
+                self.done(r)
+        if len(inst.dtimes) > 8192:
+            self.trim(inst)
+
+    def trim(self, inst: _Inst) -> None:
+        """Drop the step times no live sequence needs any more."""
+        keep = min((r.j for r in inst.running), default=inst.k) - inst.dbase
+        if keep > 0:
+            del inst.dtimes[:keep]
+            inst.dbase += keep
+
+    def prefilled(self, inst: _Inst, r: _Req) -> None:
+        """A prompt's prefill ended on ``inst``."""
+        pd = inst.role == "prefill"
+        if r.cancelled:
+            if pd:
+                self.release(inst, r.pblocks, r)
+                self.release(r.d, r.dblocks, r)
+            else:
+                self.drop(inst, r)
+            self.done(r)
+            return
+        self.first_token(r, self.now)
+        if pd and self.ev_on:
+            self.emit(PrefillDone(r.id, r.gen, inst.name, r.produced, r.plen), r)
+        if r.produced >= r.out:
+            if pd:
+                if self.ev_on:
+                    self.emit(Finish(r.id, r.gen, "length"), r)
+                self.release(inst, r.pblocks, r)
+                self.release(r.d, r.dblocks, r)
+            else:
+                self.drop(inst, r)
+            self.done(r)
+            return
+        if not pd:
+            self.join(inst, r)
+            return
+        r.state = _COORD
+        self.push(self.now + self.cfg.coord_ms / 1e3, _XSTART, r, r.gen)
+
+    # -- transfers ----------------------------------------------------------------
+
+    def xfer_start(self, r: _Req, gen: int) -> None:
+        if r.state != _COORD or r.gen != gen:
+            return
+        cfg = self.cfg
+        r.state = _XFER
+        r.xid = f"x-{r.id}-{r.gen}"
+        r.xready = self.now
+        if self.ev_on:
+            self.emit(TransferStart(r.xid, r.ticket, r.id, r.gen, r.p.name, tuple(r.pblocks), r.d.name,
+                                    tuple(r.dblocks)), r)
+        nbytes = float(self.kv_tok * r.plen)
+        self.xfer["count"] += 1
+        self.xfer["bytes"] += int(nbytes)
+        eg = r.p.egress
+        if cfg.layerwise:
+            share = eg.bw / (len(eg.active) + 1)
+            nbytes = max(nbytes / self.layers, nbytes - r.pre_dur * share)
+        r.xbytes = nbytes
+        self.xfer["ideal"] += cfg.latency_ms / 1e3 + nbytes / eg.bw
+        r.will_fail = cfg.transfer_fail_rate > 0 and self.rng.random() < cfg.transfer_fail_rate
+        if cfg.transfer_timeout_ms is not None:
+            self.push(self.now + cfg.transfer_timeout_ms / 1e3, _TIMEOUT, r, r.gen)
+        self.push(self.now + cfg.latency_ms / 1e3, _XJOIN, r, r.gen)
+        if r.cancel_phase == "transfer" and not r.cancelled:
+            self.cancel(r)
+
+    def advance(self, eg: _Egress) -> None:
+        """Charge the active transfers of ``eg`` for the time since its last change."""
+        if eg.active:
+            dt = self.now - eg.last
+            if dt > 0:
+                done = dt * eg.bw / len(eg.active)
+                act = eg.active
+                for k in act:
+                    act[k] -= done
+        eg.last = self.now
+
+    def reschedule(self, eg: _Egress) -> None:
+        eg.version += 1
+        if eg.active:
+            left = min(eg.active.values())
+            n = len(eg.active)
+            self.push(self.now + max(left, 0.0) * n / eg.bw, _XDONE, eg, eg.version)
+
+    def xfer_join(self, r: _Req) -> None:
+        eg = r.p.egress
+        self.advance(eg)
+        eg.active[r] = r.xbytes
+        if len(eg.active) > eg.peak:
+            eg.peak = len(eg.active)
+        self.reschedule(eg)
+
+    def stop_transfer(self, r: _Req) -> None:
+        eg = r.p.egress
+        if r in eg.active:
+            self.advance(eg)
+            del eg.active[r]
+            self.reschedule(eg)
+
+    def egress_done(self, eg: _Egress) -> None:
+        self.advance(eg)
+        tol = 1.0  # bytes
+        for r in [r for r, left in eg.active.items() if left <= tol]:
+            del eg.active[r]
+            self.landed(r)
+        self.reschedule(eg)
+
+    def landed(self, r: _Req) -> None:
+        took = self.now - r.xready
+        x = self.xfer
+        x["time"] += took
+        if r.will_fail:
+            self.faults["transfer_failures"] += 1
+            self.xfer_fail(r, timeout=False)
+            return
+        ev = self.ev_on
+        p, d = r.p, r.d
+        if ev:
+            self.emit(TransferReadDone(r.xid), r)
+        self.release(p, r.pblocks, r)
+        if ev:
+            self.emit(TransferWriteDone(r.xid), r)
+            self.emit(Commit(r.id, r.gen, r.ticket, d.name), r)
+        self.account(d)
+        self.join(d, r)
+        if not d.busy:
+            self.start_step(d)
+
+    def xfer_fail(self, r: _Req, timeout: bool) -> None:
+        """The transfer failed (or timed out and was aborted): end the
+        generation, free both ends, retry with a new generation."""
+        ev = self.ev_on
+        if timeout:
+            if ev:
+                self.emit(TransferAbort(r.xid), r)
+            self.stop_transfer(r)
+        if ev:
+            self.emit(TransferFailed(r.xid), r)
+            self.emit(Fail(r.id, r.gen, "transfer timeout" if timeout else "transfer failed"), r)
+        self.release(r.p, r.pblocks, r)
+        self.release(r.d, r.dblocks, r)
+        # the first token of this generation was delivered; the retry recomputes it with the prompt
+        if r.retries >= self.cfg.max_retries:
+            r.failed = True
+            self.done(r)
+        else:
+            r.retries += 1
+            self.faults["retries"] += 1
+            self.new_generation(r)
+
+    # -- results ------------------------------------------------------------------
+
+    def sample(self) -> None:
+        t = self.now
+        for name, pool in self.pools.items():
+            q = sum(len(i.waiting) for i in pool) + (len(self.rq) if name == "prefill" else 0)
+            kv = sum(i.nblocks - len(i.free) for i in pool) / sum(i.nblocks for i in pool)
+            busy = sum(1 for i in pool if i.busy) / len(pool)
+            self.samples.append((t, name, q, kv, busy))
+        self.next_sample = t + self.sample_dt  # type: ignore[operator]
+
+    def result(self, wall: float) -> SimResult:
+        start = self.first_arrival or 0.0
+        dur = max(self.now - start, 1e-12)
+        pools = {}
+        for name, pool in self.pools.items():
+            tp = self.cfg.tp_p if name == "prefill" else self.cfg.tp_d if name == "decode" else self.cfg.tp
+            pools[name] = {
+                "instances": len(pool),
+                "devices": len(pool) * tp,
+                "tp": tp,
+                "kv_blocks": pool[0].nblocks,
+                "utilisation": sum(i.busy_time for i in pool) / (len(pool) * dur),
+                "utilisation_per_instance": [i.busy_time / dur for i in pool],
+                "mean_queue": sum(i.q_area for i in pool) / dur / (1 if name != "prefill" else len(pool)),
+                "mean_kv_occupancy": sum(i.kv_area for i in pool) / dur / sum(i.nblocks for i in pool),
+                "peak_kv_occupancy": max(i.peak_kv / i.nblocks for i in pool),
+                "preempted": sum(i.preempted for i in pool),
+                "steps": sum(i.steps for i in pool),
+            }
+        x = self.xfer
+        transfers = {
+            "count": x["count"],
+            "bytes": x["bytes"],
+            "mean_ms": x["time"] / x["count"] * 1e3 if x["count"] else 0.0,
+            "mean_queueing_ms": max(0.0, x["time"] - x["ideal"]) / x["count"] * 1e3 if x["count"] else 0.0,
+            "peak_concurrent": max((p.egress.peak for p in self.P), default=0) if self.cfg.arm == "pd" else 0,
+            "bandwidth_gibps": self.cfg.bandwidth_gibps * self.cfg.links,
+            "layerwise": self.cfg.layerwise,
+        }
+        return SimResult(self.cfg, self.n, self.finished, dur, wall, pools, transfers, dict(self.faults),
+                         self.events, self.violation, tuple(self.samples))
