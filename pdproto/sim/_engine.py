@@ -89,7 +89,9 @@ GIB = 2**30
 
 # event kinds on the heap
 _ARRIVE, _STEP, _XSTART, _XJOIN, _XDONE, _CANCEL, _TIMEOUT, _QTIMEOUT = range(8)
-_DSTEP = ("d",)  # the batch of a pure decode step
+_PHASE = ("queued", "queued", "prefill", "transfer", "transfer", "decode", "done")
+_DSTEP = ("d",)
+_POOL = {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}  # the batch of a pure decode step
 # request states
 _RQ, _PQ, _PRE, _COORD, _XFER, _DEC, _DONE = range(7)
 
@@ -338,6 +340,7 @@ def simulate(
     requests: Iterable[Any],
     config: SimConfig,
     *,
+    metrics: Any = None,
     sink: Callable[[Any], None] | None = None,
     monitor: bool = True,
     history: IO[str] | None = None,
@@ -349,7 +352,11 @@ def simulate(
     """Run ``requests`` (``SimRequest``-like, sorted by arrival) through the
     arm ``config`` describes.  Each finished request goes to ``sink`` as a
     ``RequestRecord`` (built by ``record``, default
-    :class:`pdproto.sim._metrics.RequestRecord`).  The PD arm's handoff events
+    :class:`pdproto.sim._metrics.RequestRecord`); with ``metrics`` (a
+    :class:`~pdproto.sim._metrics.Metrics`) the records go to its ``add``
+    (unless ``sink`` is given) and the pools report to it too: gauges
+    ``<pool>.queue`` and ``<pool>.kv_blocks``, busy time per instance,
+    every transfer, and the fault counters.  The PD arm's handoff events
     go to an inline :class:`~pdproto.spec.Monitor` (``monitor``) and to
     ``history`` (a text stream); ``decode_events`` is ``"first"`` (only each
     generation's first decode, the handoff boundary the monitor judges; the
@@ -361,7 +368,11 @@ def simulate(
         raise UsageError("decode_events", decode_events, " or ".join(DECODE_EVENTS))
     if record is None:
         from ._metrics import RequestRecord as record  # noqa: N813
-    return _Sim(config, sink, monitor, history, decode_events, table, sample_dt, record).run(iter(requests))
+    if sink is None and metrics is not None:
+        sink = metrics.add
+    sim = _Sim(config, sink, monitor, history, decode_events, table, sample_dt, record)
+    sim.metrics = metrics
+    return sim.run(iter(requests))
 
 
 class _Sim:
@@ -395,6 +406,7 @@ class _Sim:
         self.last_t = 0.0
         self.d_freed = False
         self.kicks: set[_Inst] = set()
+        self.metrics: Any = None
 
         def make(role: str, count: int, tp: int, prefix: str) -> list[_Inst]:
             lat = latency_for(cfg, tp, table)
@@ -509,7 +521,8 @@ class _Sim:
                     if obj.state == _XFER and obj.gen == extra:
                         self.xfer_join(obj)
                 elif kind == _CANCEL:
-                    self.cancel(obj)
+                    if extra is None or _PHASE[obj.state] == extra:
+                        self.cancel(obj)
                 elif kind == _TIMEOUT:
                     r = obj
                     if r.state == _XFER and r.gen == extra:
@@ -537,6 +550,12 @@ class _Sim:
         wall = _time.perf_counter() - wall0
         for inst in self.insts:
             self.account(inst)
+        if self.metrics is not None:
+            for inst in self.insts:
+                self.metrics.busy(inst.name, inst.busy_time)
+            for k, v in self.faults.items():
+                if v:
+                    self.metrics.count(k, v)
         return self.result(wall)
 
     def next_arrival(self) -> None:
@@ -583,8 +602,9 @@ class _Sim:
             if cfg.queue_timeout_s is not None:
                 self.push(self.now + cfg.queue_timeout_s, _QTIMEOUT, r, r.gen)
             if r.cancel_phase == "queued":
-                self.cancel(r)
-                return
+                self.enter(r, "queued")
+                if r.cancelled:
+                    return
             if not inst.busy:
                 self.start_step(inst)
 
@@ -599,9 +619,10 @@ class _Sim:
             self.rq.append(r)
         if self.cfg.queue_timeout_s is not None and r.first is None:
             self.push(self.now + self.cfg.queue_timeout_s, _QTIMEOUT, r, r.gen)
-        if r.cancel_phase == "queued" and r.gen == 0:
-            self.cancel(r)
-            return
+        if r.cancel_phase == "queued":
+            self.enter(r, "queued")
+            if r.cancelled:
+                return
         self.drain_rq()
 
     def drain_rq(self) -> None:
@@ -657,6 +678,16 @@ class _Sim:
         if self.ev_on:
             self.emit(Fail(r.id, r.gen, "rejected: " + why), r)
         self.done(r)
+
+    def enter(self, r: _Req, phase: str) -> None:
+        """``r``, whose cancel waits for ``phase``, entered it: the cancel fires
+        at max(cancel_at, now) if ``r`` is still in that phase then."""
+        if r.cancelled or r.state == _DONE:
+            return
+        if r.cancel_at is None or r.cancel_at <= self.now:
+            self.cancel(r)
+        else:
+            self.push(r.cancel_at, _CANCEL, r, phase)
 
     def cancel(self, r: _Req) -> None:
         """A client cancel: the generation ends now; what it holds is released
@@ -759,6 +790,8 @@ class _Sim:
             return
         inst.busy = True
         inst.batch = batch
+        if self.metrics is not None:
+            self.gauges(inst)
         inst.busy_time += dur
         inst.steps += 1
         used = inst.nblocks - len(inst.free)
@@ -800,8 +833,8 @@ class _Sim:
         if not pre:
             return None, None
         for r in pre:
-            if r.cancel_phase == "prefill" and not r.cancelled:
-                self.cancel(r)
+            if r.cancel_phase == "prefill":
+                self.enter(r, "prefill")
         dur = inst.lat.step(tokens, sq, 0, 0)
         for r in pre:
             r.pre_dur = dur
@@ -813,6 +846,8 @@ class _Sim:
         r.state = _DEC
         r.di = inst
         inst.pending.append(r)
+        if r.cancel_phase == "decode":
+            self.enter(r, "decode")
 
     def admit_pending(self, inst: _Inst) -> None:
         s = inst.k
@@ -951,8 +986,8 @@ class _Sim:
             r.done_pre = 0
             pref.append(r)
             room -= 1
-            if r.cancel_phase == "prefill" and not r.cancelled:
-                self.cancel(r)
+            if r.cancel_phase == "prefill":
+                self.enter(r, "prefill")
         for r in pref:
             if budget <= 0:
                 break
@@ -1037,9 +1072,6 @@ class _Sim:
                     if r.state == _DEC and not r.cancelled:
                         tok = r.produced
                         self.emit(Decode(r.id, r.gen, inst.name, r.plen, tok, tok + 1, tuple(r.dblocks)), r)
-        for r in inst.first:
-            if r.cancel_phase == "decode" and r.state == _DEC and not r.cancelled:
-                self.cancel(r)
         inst.first.clear()
         ends = inst.ends.pop(s, None)
         if ends:
@@ -1119,8 +1151,8 @@ class _Sim:
         if cfg.transfer_timeout_ms is not None:
             self.push(self.now + cfg.transfer_timeout_ms / 1e3, _TIMEOUT, r, r.gen)
         self.push(self.now + cfg.latency_ms / 1e3, _XJOIN, r, r.gen)
-        if r.cancel_phase == "transfer" and not r.cancelled:
-            self.cancel(r)
+        if r.cancel_phase == "transfer":
+            self.enter(r, "transfer")
 
     def advance(self, eg: _Egress) -> None:
         """Charge the active transfers of ``eg`` for the time since its last change."""
@@ -1167,6 +1199,9 @@ class _Sim:
         took = self.now - r.xready
         x = self.xfer
         x["time"] += took
+        if self.metrics is not None:
+            ideal = self.cfg.latency_ms / 1e3 + r.xbytes / r.p.egress.bw
+            self.metrics.transfer(int(self.kv_tok * r.plen), max(0.0, took - ideal), took)
         if r.will_fail:
             self.faults["transfer_failures"] += 1
             self.xfer_fail(r, timeout=False)
@@ -1207,6 +1242,15 @@ class _Sim:
             self.new_generation(r)
 
     # -- results ------------------------------------------------------------------
+
+    def gauges(self, inst: _Inst) -> None:
+        pool = self.pools[_POOL[inst.role]]
+        m = self.metrics
+        name = _POOL[inst.role]
+        q = sum(len(i.waiting) for i in pool) + (len(self.rq) if name == "prefill" else 0)
+        m.gauge(name + ".queue").set(self.now, q)
+        m.gauge(name + ".kv_blocks", pool[0].nblocks * len(pool)).set(
+            self.now, sum(i.nblocks - len(i.free) for i in pool))
 
     def sample(self) -> None:
         t = self.now
