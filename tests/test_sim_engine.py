@@ -1,0 +1,239 @@
+"""The simulator's engine and latency models: timings by hand, the handoff as
+monitored events (faults included), KV capacity, contention, conservation."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import attrs
+import pytest
+
+from pdproto._errors import UsageError
+from pdproto.cost import GIB
+from pdproto.sim import PiecewiseLinear, Roofline, SimConfig, simulate
+from pdproto.sim._engine import _Sim
+from pdproto.sim._latency import DEVICES, MODELS
+from pdproto.sim._metrics import Metrics, RequestRecord
+from pdproto.sim._workload import SimRequest
+from pdproto.spec import Monitor, TransferWriteDone, open_history
+
+#: The seed's section 05 timing as a table: a prefill of any size 40 ms, a decode step 4 ms.
+SEED = PiecewiseLinear([(1, 40.0), (10_000, 40.0)], [(1, 4.0), (10_000, 4.0)])
+TEACHING_KV = MODELS["teaching-gqa"].shape.bytes_per_token  # 128 KiB per token
+
+
+def seed_config(arm: str, **kw: object) -> SimConfig:
+    base = dict(arm=arm, model="teaching-gqa", devices=1 if arm != "pd" else 2, latency_ms=0.0, coord_ms=2.0,
+                bandwidth_gibps=25.0, kv_blocks=4096, block_size=16)
+    base.update(kw)
+    return SimConfig(**base)  # type: ignore[arg-type]
+
+
+def run(reqs: list[SimRequest], cfg: SimConfig, **kw: object) -> tuple[list[RequestRecord], object]:
+    out: list[RequestRecord] = []
+    res = simulate(reqs, cfg, sink=out.append, table=kw.pop("table", SEED), **kw)  # type: ignore[arg-type]
+    return sorted(out, key=lambda r: r.id), res
+
+
+def poisson(n: int, rate: float, prompt: int = 600, output: int = 60, seed: int = 3, **extra: object) -> list[SimRequest]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        p = max(1, int(rng.lognormvariate(math.log(prompt), 0.5)))
+        o = max(1, int(rng.lognormvariate(math.log(output), 0.5)))
+        out.append(SimRequest(f"r{i}", t, p, o))
+    return out
+
+
+# -- one request alone: the seed's section 05 by hand ---------------------------------
+
+
+def test_one_request_alone_pd_pays_coordination_transfer_and_one_step() -> None:
+    (rec,), res = run([SimRequest("a", 0.0, 4096, 4)], seed_config("pd"))
+    assert res.ok and res.events > 0
+    transfer = 4096 * TEACHING_KV / (25 * GIB)  # 512 MiB at 25 GiB/s = 20 ms
+    assert transfer == pytest.approx(0.020)
+    assert rec.first_token == pytest.approx(0.040)
+    assert rec.token_times == pytest.approx((0.040, 0.066, 0.070, 0.074))
+    assert res.transfers["count"] == 1 and res.transfers["bytes"] == 512 * 2**20
+
+
+def test_one_request_alone_colocated_and_chunked_decode_on_the_spot() -> None:
+    (rec,), _ = run([SimRequest("a", 0.0, 4096, 4)], seed_config("colocated"))
+    assert rec.token_times == pytest.approx((0.040, 0.044, 0.048, 0.052))
+    # chunked: 4096 tokens in chunks of 512 = 8 steps of 40 ms before the first token
+    (rec,), _ = run([SimRequest("a", 0.0, 4096, 2)], seed_config("chunked", chunk_tokens=512))
+    assert rec.token_times == pytest.approx((0.320, 0.324))
+
+
+def test_layerwise_overlap_hides_the_transfer_behind_the_prefill() -> None:
+    (rec,), _ = run([SimRequest("a", 0.0, 4096, 2)], seed_config("pd", layerwise=True))
+    # 20 ms of bytes, 40 ms of prefill: only one layer's share (20/32 ms) is left
+    assert rec.token_times[1] == pytest.approx(0.040 + 0.002 + 0.020 / 32 + 0.004)
+
+
+def test_transfers_on_one_egress_share_it_fairly_and_more_links_help() -> None:
+    # w keeps P busy (one token: no handoff) while a and b arrive, so they prefill in one batch
+    # and both transfers start at once: each gets half the link
+    three = [SimRequest("w", 0.0, 16, 1), SimRequest("a", 0.001, 4096, 2), SimRequest("b", 0.001, 4096, 2)]
+    recs, res = run(three, seed_config("pd"))
+    # both land at 80 + 2 + 40 ms; D starts a step for the first commit, the second joins the next step
+    assert [r.first_token for r in recs[:2]] == pytest.approx([0.080, 0.080])
+    assert sorted(r.token_times[1] for r in recs[:2]) == pytest.approx([0.126, 0.130])
+    assert res.transfers["peak_concurrent"] == 2 and res.transfers["count"] == 2
+    assert res.transfers["mean_queueing_ms"] == pytest.approx(20.0)  # 20 ms more than alone, each
+    recs, _ = run(three, seed_config("pd", links=2))
+    assert sorted(r.token_times[1] for r in recs[:2]) == pytest.approx([0.106, 0.110])
+
+
+# -- the handoff as protocol events --------------------------------------------------
+
+
+def faulty(n: int = 400, seed: int = 5) -> list[SimRequest]:
+    rng = random.Random(seed)
+    out = []
+    for r in poisson(n, 40.0, seed=seed):
+        x = rng.random()
+        if x < 0.12:
+            out.append(attrs.evolve(r, cancel_at=r.arrival, cancel_phase=rng.choice(
+                ["queued", "prefill", "transfer", "decode"])))
+        elif x < 0.2:
+            out.append(attrs.evolve(r, cancel_at=r.arrival + rng.random() * 0.5))
+        else:
+            out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("decode_events, n", [("first", 400), ("all", 150)])
+def test_faults_cancels_and_preemption_keep_every_handoff_correct(tmp_path, decode_events: str, n: int) -> None:
+    cfg = seed_config("pd", kv_blocks=300, transfer_fail_rate=0.15, transfer_timeout_ms=45.0, bandwidth_gibps=8.0,
+                      max_retries=2, queue_timeout_s=3.0, n_d=2)
+    path = tmp_path / "h.jsonl"
+    with open(path, "w") as fh:
+        recs, res = run(faulty(n), cfg, history=fh, decode_events=decode_events)
+    assert res.violation is None
+    f = res.faults
+    assert f["transfer_failures"] > 0 and f["timeouts"] > 0 and f["retries"] > 0
+    assert f["preempted"] > 0 and f["cancelled"] > 0
+    assert max(r.retries for r in recs) <= 2
+    # conservation: every request ends exactly once, in exactly one way
+    assert len(recs) == n == len({r.id for r in recs}) == res.finished
+    for r in recs:
+        assert (r.finish is not None) + r.rejected + r.cancelled + r.failed == 1
+        if r.finish is not None:
+            assert len(r.token_times) == r.output_len and list(r.token_times) == sorted(r.token_times)
+    # the written history reads back and a fresh monitor finds it complete and clean
+    with open_history(str(path)) as reader:
+        mon = Monitor.from_header(reader.header)
+        count = sum(1 for _line, ev in reader if not mon.feed(ev) or True)
+    assert count == res.events and not mon.finish() and mon.ok
+
+
+def test_a_violation_stops_the_run_naming_the_request_and_the_time(monkeypatch) -> None:
+    emit = _Sim.emit
+
+    def drop_write_done(self: _Sim, ev: object, r: object = None) -> None:
+        if isinstance(ev, TransferWriteDone) and ev.transfer == "x-r7-0":
+            return  # the data plane "forgets" to report the landing: D commits anyway
+        emit(self, ev, r)
+
+    monkeypatch.setattr(_Sim, "emit", drop_write_done)
+    recs, res = run(poisson(50, 5.0), seed_config("pd"))
+    v = res.violation
+    assert v is not None and not res.ok
+    assert v["invariant"] == "commit-before-ready" and v["request"] == "r7"
+    assert v["event"]["ev"] == "commit"
+    r7 = poisson(50, 5.0)[7]
+    assert r7.arrival < v["time_s"] < r7.arrival + 1.0
+    assert len(recs) < 50  # it stopped there
+
+
+def test_no_monitor_and_no_history_emit_nothing() -> None:
+    _, res = run(poisson(30, 5.0), seed_config("pd"), monitor=False)
+    assert res.events == 0 and res.ok
+
+
+# -- capacity, admission, determinism ---------------------------------------------------
+
+
+@pytest.mark.parametrize("arm", ["colocated", "chunked", "pd"])
+def test_kv_capacity_is_enforced_with_preemption(arm: str) -> None:
+    cfg = seed_config(arm, kv_blocks=120, devices=2)
+    recs, res = run(poisson(200, 30.0, prompt=300, output=200), cfg)
+    assert res.ok
+    pools = res.pools.values()
+    assert all(p["peak_kv_occupancy"] <= 1.0 for p in pools)
+    assert sum(p["preempted"] for p in pools) > 0 == res.faults["rejected"]
+    assert all(r.finish is not None or r.failed for r in recs)
+
+
+def test_prompts_that_never_fit_are_rejected_and_queue_timeouts_reject() -> None:
+    recs, res = run([SimRequest("big", 0.0, 5000, 2), SimRequest("ok", 0.0, 100, 2)],
+                    seed_config("pd", kv_blocks=100))
+    assert [r.rejected for r in recs] == [True, False] and res.ok
+    many = [SimRequest(f"r{i}", 0.0, 4000, 50) for i in range(20)]
+    recs, res = run(many, seed_config("colocated", queue_timeout_s=0.5))
+    assert 0 < res.faults["rejected"] < 20
+    assert all(r.first_token is None for r in recs if r.rejected)
+
+
+def test_same_seed_same_run() -> None:
+    cfg = seed_config("pd", transfer_fail_rate=0.2, n_p=2)
+    a, _ = run(poisson(100, 20.0), cfg)
+    b, _ = run(poisson(100, 20.0), cfg)
+    assert a == b
+
+
+def test_metrics_receive_records_and_pool_signals() -> None:
+    m = Metrics("pd", devices=2, weight_copies=2)
+    res = simulate(poisson(100, 10.0), seed_config("pd"), metrics=m, table=SEED)
+    s = m.summary()
+    assert s["requests"] == 100 == s["completed"]
+    assert set(s["gauges"]) == {"prefill.queue", "prefill.kv_blocks", "decode.queue", "decode.kv_blocks"}
+    assert s["transfers"]["count"] == 100 == res.transfers["count"]
+    assert set(s["utilisation"]) == {"P0", "D0"}
+
+
+# -- latency models and configuration --------------------------------------------------
+
+
+def test_roofline_is_memory_bound_for_decode_and_compute_bound_for_long_prefill() -> None:
+    roof = Roofline(MODELS["llama-3-8b"], DEVICES["h100-sxm"])
+    decode = roof.step(0, 0, 1, 1000)
+    weights_read = MODELS["llama-3-8b"].weight_bytes / (3350e9 * 0.7)
+    assert decode == pytest.approx(weights_read + 0.0005, rel=0.01)
+    long = roof.step(8192, 8192**2, 0, 0)
+    assert long > 20 * decode
+    assert Roofline(MODELS["llama-3-8b"], DEVICES["h100-sxm"], tp=2).step(8192, 8192**2, 0, 0) < long
+    with pytest.raises(UsageError, match="weights to fit"):
+        Roofline(MODELS["llama-3-70b"], DEVICES["h100-sxm"], tp=1)
+
+
+def test_piecewise_linear_interpolates_extrapolates_and_reads_a_table(tmp_path) -> None:
+    t = PiecewiseLinear([(100, 10.0), (200, 20.0)], [(1, 5.0), (9, 9.0)], decode_ctx_ms=0.001)
+    assert t.step(150, 0, 0, 0) == pytest.approx(0.015)
+    assert t.step(400, 0, 0, 0) == pytest.approx(0.040)
+    assert t.step(0, 0, 5, 1000) == pytest.approx(0.008)
+    assert t.step(0, 0, 0, 0) == 0.0
+    path = tmp_path / "t.csv"
+    path.write_text("phase,tokens,ms\nprefill,100,10\nprefill,200,20\ndecode,1,5\ndecode,9,9\ndecode_ctx,1000,1\n")
+    assert PiecewiseLinear.from_csv(path) == t
+    path.write_text("phase,tokens,ms\nprefill,100,10\nwarmup,1,1\n")
+    with pytest.raises(UsageError, match=r"t.csv:3"):
+        PiecewiseLinear.from_csv(path)
+    with pytest.raises(UsageError, match="distinct"):
+        PiecewiseLinear([(1, 1.0), (1, 2.0)], [(1, 1.0)])
+
+
+def test_config_checks_and_device_counts() -> None:
+    cfg = SimConfig(arm="pd", n_p=2, n_d=3, tp_p=2, tp_d=1)
+    assert cfg.used_devices == 7 and cfg.weight_copies == 5
+    assert SimConfig(arm="chunked", devices=8, tp=4).weight_copies == 2
+    for bad in (dict(arm="disagg"), dict(model="gpt-5"), dict(transfer_fail_rate=1.0), dict(kv_blocks=0),
+                dict(bandwidth_gibps=-1.0), dict(arm="colocated", devices=2, tp=4)):
+        with pytest.raises((UsageError, ValueError)):
+            SimConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="decode_events"):
+        simulate([], SimConfig(), decode_events="some")
