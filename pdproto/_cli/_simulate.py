@@ -112,8 +112,10 @@ def add_parser(sub: Any) -> None:
                    "--target at this rate")
     g.add_argument("--max-devices", type=_POS, default=16, metavar="N", help="--sweep --at-rate: largest budget "
                    "(default 16)")
-    g.add_argument("--sweep-requests", type=_POS, default=400, metavar="N", help="--sweep: requests per probe "
-                   "(default 400)")
+    g.add_argument("--sweep-requests", type=_POS, default=400, metavar="N", help="--sweep: requests per probe, at "
+                   "least (default 400)")
+    g.add_argument("--sweep-span", type=float, default=20.0, metavar="S", help="--sweep: a probe runs at least S "
+                   "simulated seconds of arrivals (default 20)")
 
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
@@ -386,7 +388,7 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
     def pct(key: str, q: str) -> Any:
         return lambda m: _f(m[key].get(q))
 
-    row("devices (weight copies)", lambda m: f"{m['devices']} ({m['weight_copies']})")
+    row("devices (copies)", lambda m: f"{m['devices']} ({m['weight_copies']})")
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("first_gap_ms", "first gap"),
                       ("e2e_ms", "E2E")):
         for q in ("median", "p90", "p99"):
@@ -396,7 +398,7 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
     row("goodput, req/s", lambda m: _f(m.get("goodput"), 2))
     row("goodput per device", lambda m: _f(m.get("goodput_per_device"), 3))
     row("SLO attainment", lambda m: _f(m.get("attainment"), 3))
-    row("rejected / failed / cancelled", lambda m: f"{m['rejected']} / {m['failed']} / {m['cancelled']}")
+    row("rejected/failed/cancel", lambda m: f"{m['rejected']}/{m['failed']}/{m['cancelled']}")
     console.print(t)
     pools = Table(title="Pools", title_justify="left")
     pools.add_column("")
@@ -407,9 +409,9 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
         ("instances", lambda p: f"{p['instances']} × tp{p['tp']}"),
         ("utilisation", lambda p: _f(p["utilisation"], 2)),
         ("mean queue", lambda p: _f(p["mean_queue"], 2)),
-        ("KV occupancy mean", lambda p: _f(p["mean_kv_occupancy"], 3)),
-        ("KV occupancy peak", lambda p: _f(p["peak_kv_occupancy"], 3)),
-        ("KV blocks / instance", lambda p: f"{p['kv_blocks']:,}"),
+        ("KV mean", lambda p: _f(p["mean_kv_occupancy"], 3)),
+        ("KV peak", lambda p: _f(p["peak_kv_occupancy"], 3)),
+        ("KV blocks each", lambda p: f"{p['kv_blocks']:,}"),
         ("preempted", lambda p: str(p["preempted"])),
     ):
         pools.add_row(label, *[fn(pool) for _r, _n, pool in cols])
@@ -459,10 +461,15 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
     from ..sim._sweep import cheapest, sweep
 
     tps = _tps(args.tps)
+    if not (args.sweep_span > 0 and args.sweep_span < 1e9):
+        raise UsageError("--sweep-span", args.sweep_span, "a number of seconds > 0")
     arms = ("colocated", "chunked", "pd") if args.arm == "all" else (args.arm,)
     if args.at_rate is not None:
+        if not (args.at_rate > 0 and args.at_rate < 1e9):
+            raise UsageError("--at-rate", args.at_rate, "a rate in requests/s > 0")
         budget, tried = cheapest(spec, base, args.at_rate, slo, max_devices=args.max_devices, tps=tps,
-                                 target=args.target, n=args.sweep_requests, seed=args.seed, arms=arms)
+                                 target=args.target, n=args.sweep_requests, seed=args.seed, arms=arms,
+                                 span=args.sweep_span)
         data = {"mode": "cheapest", "rate": args.at_rate, "budget": budget,
                 "configs": [{"label": c.label(), "devices": c.used_devices, "attainment": p.attainment,
                              "goodput": p.goodput} for c, p in tried]}
@@ -486,7 +493,7 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
         return EXIT_OK
     budget = args.budget or 4
     rows = sweep(spec, base, budget, slo, tps=tps, target=args.target, n=args.sweep_requests, seed=args.seed,
-                 arms=arms)
+                 arms=arms, span=args.sweep_span)
     if args.json:
         print_json({"mode": "budget", "budget": budget, "slo_ms": slo.to_ms(), "target": args.target,
                     "rows": [r.to_dict() for r in rows]})

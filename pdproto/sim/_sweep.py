@@ -186,7 +186,8 @@ def sweep(spec: WorkloadSpec, base: SimConfig, budget: int, slo: SLO, *, tps: Se
 
 def cheapest(spec: WorkloadSpec, base: SimConfig, rate: float, slo: SLO, *, max_devices: int = 16,
              tps: Sequence[int] = (1,), target: float = 0.9, n: int = 400, seed: int = 0,
-             arms: Iterable[str] = ("colocated", "chunked", "pd")) -> tuple[int, list[tuple[SimConfig, RatePoint]]]:
+             arms: Iterable[str] = ("colocated", "chunked", "pd"), span: float = 20.0,
+             ) -> tuple[int, list[tuple[SimConfig, RatePoint]]]:
     """The smallest budget (1..``max_devices``) with a configuration meeting
     ``target`` at ``rate``; returns it (0 when none) and the configurations
     tried at that budget with their points."""
@@ -196,7 +197,7 @@ def cheapest(spec: WorkloadSpec, base: SimConfig, rate: float, slo: SLO, *, max_
         for cfg in splits(budget, base, tps, arms=arms):
             if not _fits(cfg):
                 continue
-            p, _m, _r = run_once(spec, cfg, rate, slo, n=max(n, int(rate * 20.0)), seed=seed)
+            p, _m, _r = run_once(spec, cfg, rate, slo, n=max(n, int(rate * span)), seed=seed)
             tried.append((cfg, p))
         if any(p.attainment >= target for _c, p in tried):
             tried.sort(key=lambda cp: -cp[1].attainment)

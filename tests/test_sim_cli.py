@@ -1,0 +1,123 @@
+"""``pdproto simulate``: the report, --json, --history, --sweep, exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdproto._cli import main
+from pdproto.sim._engine import _Sim
+from pdproto.spec import TransferWriteDone
+
+SMALL = ["--requests", "120", "--rate", "4", "--prompt", "lognormal:600,0.5", "--output", "lognormal:60,0.5"]
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
+    code = main(["simulate", *argv, "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def test_the_report_shows_every_arm_pools_and_the_monitor(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL]) == 0
+    out = capsys.readouterr().out
+    for text in ("colocated 2x tp1", "chunked 2x tp1", "pd 1P1D tp1/1", "TTFT p99", "first gap p50",
+                 "goodput per device", "SLO attainment", "pd: decode", "KV peak", "PD transfers: 120",
+                 "no violation", "Section 06 signals", "Best goodput per device"):
+        assert text in out, text
+
+
+def test_json_has_the_three_arms_at_the_same_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    code, data = run_json(capsys, *SMALL, "--pd", "2:1", "--slo", "ttft:300,tpot:40")
+    assert code == 0 and data["violation"] is None
+    runs = {r["arm"]: r for r in data["runs"]}
+    assert set(runs) == {"colocated", "chunked", "pd"}
+    assert {r["metrics"]["devices"] for r in runs.values()} == {3}
+    assert runs["pd"]["result"]["weight_copies"] == 3
+    m = runs["pd"]["metrics"]
+    assert m["requests"] == 120 and m["slo"] == {"ttft": 300.0, "tpot": 40.0}
+    assert 0 <= m["attainment"] <= 1 and m["goodput_per_device"] == pytest.approx(m["goodput"] / 3)
+    assert [s["signal"] for s in runs["pd"]["signals"]] == [
+        "p-queue-growing-d-idle", "d-kv-full-p-accepting", "transfer-queueing-growing", "pools-take-turns-idling"]
+    assert data["verdict"]["best"] in {r["label"] for r in runs.values()}
+
+
+def test_history_is_written_and_audits_clean(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "sim.jsonl"
+    code, data = run_json(capsys, *SMALL, "--arm", "pd", "--history", str(path), "--transfer-fail-rate", "0.2",
+                          "--cancel-rate", "0.2")
+    assert code == 0
+    pd = data["runs"][0]
+    assert pd["result"]["faults"]["transfer_failures"] > 0
+    lost = pd["goodput_lost_to_faults"]
+    assert lost["goodput_without_faults"] >= lost["goodput_with_faults"]
+    assert main(["audit", str(path)]) == 0
+    lines = path.read_text().splitlines()
+    assert len(lines) == pd["result"]["events"] + 1  # the header, then every event judged
+
+
+def test_a_violation_exits_1_naming_the_request_and_time(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    emit = _Sim.emit
+
+    def lose_landing(self: _Sim, ev: object, r: object = None) -> None:
+        if not (isinstance(ev, TransferWriteDone) and ev.transfer == "x-r3-0"):
+            emit(self, ev, r)
+
+    monkeypatch.setattr(_Sim, "emit", lose_landing)
+    assert main(["simulate", *SMALL, "--arm", "pd"]) == 1
+    out = capsys.readouterr().out
+    assert "commit-before-ready: request r3 at t =" in out
+    code, data = run_json(capsys, *SMALL)
+    assert code == 1 and data["violation"]["request"] == "r3"
+    assert len(data["runs"]) == 3 and data["runs"][2]["result"]["finished"] < 120
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--pd", "0:1"], "--pd"),
+        (["--prompt", "normal:5,1"], "--prompt"),
+        (["--output", "fixed:0"], "--output"),
+        (["--slo", "ttft"], "--slo"),
+        (["--model", "gpt-9"], "model"),
+        (["--rate", "-2"], "rate"),
+        (["--arrival", "gamma"], "--cv"),
+        (["--latency-table", "/nonexistent.csv"], "latency table"),
+        (["--arm", "colocated", "--history", "h.jsonl"], "--history"),
+        (["--trace", "/nonexistent.csv"], "nonexistent"),
+        (["--tp-p", "1", "--model", "llama-3-70b"], "weights"),
+        (["--target", "1.5"], "--target"),
+        (["--sweep", "--tps", "1,x"], "--tps"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str],
+                                          tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--requests", "5", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_sweep_bisects_the_rate_per_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    code, data = run_json(capsys, "--sweep", "--budget", "2", "--sweep-requests", "60", "--sweep-span", "4", "--rate", "2",
+                          "--prompt", "fixed:500", "--output", "fixed:40")
+    assert code == 0 and data["mode"] == "budget"
+    rows = data["rows"]
+    assert {r["label"] for r in rows} == {"colocated 2x tp1", "chunked 2x tp1", "pd 1P1D tp1/1"}
+    for r in rows:
+        assert r["devices"] == 2 and r["max_rate"] > 0
+        assert r["goodput_per_device"] == pytest.approx(r["max_rate"] / 2)
+        passing = [p["rate"] for p in r["probes"] if p["attainment"] >= 0.9]
+        failing = [p["rate"] for p in r["probes"] if p["attainment"] < 0.9]
+        assert max(passing) == r["max_rate"] and min(failing) > r["max_rate"]
+    per = [r["goodput_per_device"] for r in rows]
+    assert per == sorted(per, reverse=True)
+
+
+def test_sweep_at_a_rate_finds_the_cheapest_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    code, data = run_json(capsys, "--sweep", "--at-rate", "3", "--max-devices", "3", "--sweep-requests", "60", "--sweep-span", "4",
+                          "--prompt", "fixed:500", "--output", "fixed:40", "--arm", "pd")
+    assert code == 0 and data["mode"] == "cheapest"
+    assert data["budget"] == 2  # PD needs one P and one D
+    assert all(c["devices"] == 2 for c in data["configs"])
