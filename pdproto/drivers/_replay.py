@@ -1,8 +1,10 @@
 """Replaying as a library: :func:`replay` executes a history on real paged KV
-buffers (the torch backend) while the monitor judges it, and returns a
-:class:`ReplayResult`.  Also the one place that loads the torch backend
-(:func:`load_torch_backend`, :func:`torch_backend_factory`): torch is
-optional, and its absence is one clear :class:`~pdproto.UsageError`."""
+buffers (the torch backend, or with ``model=`` a real transformer: the model
+backend) while the monitor judges it, and returns a :class:`ReplayResult`.
+Also the one place that loads those backends (:func:`load_torch_backend`,
+:func:`torch_backend_factory`, :func:`load_model_backend`,
+:func:`model_backend_factory`): torch and transformers are optional, and the
+absence of either is one clear :class:`~pdproto.UsageError`."""
 
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ from ..spec._monitor import Monitor, Violation, check_invariant_ids
 
 #: the invariant id of the data-level check (the backend's)
 KV_CORRUPTION = "kv-corruption"
+#: the invariant id of the model backend's check: a decode step's logits differ
+#: from those of a colocated run (``replay(..., model=...)``)
+LOGIT_DIVERGENCE = "logit-divergence"
+#: the invariants the backends report (data level)
+DATA_INVARIANTS = (KV_CORRUPTION, LOGIT_DIVERGENCE)
 
 
 def load_torch_backend() -> Any:
@@ -48,9 +55,33 @@ def torch_backend_factory(**options: Any) -> Callable[[Any], Any]:
     return factory
 
 
+def load_model_backend() -> Any:
+    """The module :mod:`pdproto.backends._transformer` (imports torch and
+    transformers); a :class:`~pdproto.MissingExtraError` naming ``pip install
+    'pdproto[model]'`` when either is missing."""
+    load_torch_backend()
+    try:
+        importlib.import_module("transformers")
+    except ImportError:
+        raise MissingExtraError("the model backend (replay --model)", "transformers", "model") from None
+    return importlib.import_module("pdproto.backends._transformer")
+
+
+def model_backend_factory(model: Any = "tiny-llama", **options: Any) -> Callable[[Any], Any]:
+    """``factory(header) -> ModelBackend(header, model=model, **options)``
+    (for :func:`pdproto.fuzz`); loads the model now, once."""
+    mb = load_model_backend()
+    loaded = mb.load_model(model) if isinstance(model, str) else model
+
+    def factory(header: Any) -> Any:
+        return mb.ModelBackend(header, model=loaded, **options)
+
+    return factory
+
+
 def level(v: Violation) -> str:
-    """``"data"`` for the backend's kv-corruption, else ``"protocol"``."""
-    return "data" if v.invariant == KV_CORRUPTION else "protocol"
+    """``"data"`` for the backends' kv-corruption and logit-divergence, else ``"protocol"``."""
+    return "data" if v.invariant in DATA_INVARIANTS else "protocol"
 
 
 @attrs.frozen
@@ -73,7 +104,7 @@ class ReplayResult:
 
     @property
     def data_violations(self) -> int:
-        return sum(1 for v in self.violations if v.invariant == KV_CORRUPTION)
+        return sum(1 for v in self.violations if v.invariant in DATA_INVARIANTS)
 
     @property
     def protocol_violations(self) -> int:
@@ -119,6 +150,7 @@ def replay(
     max_line_bytes: int = MAX_LINE_BYTES,
     max_memory: int | None = None,
     threads: int | None = 1,
+    model: Any = None,
 ) -> ReplayResult:
     """Replay the history at ``path`` (``"-"``: standard input) on one paged
     KV pool per worker, with the monitor judging it.
@@ -132,8 +164,24 @@ def replay(
     the per-block copies and checks are small, and on a busy machine waking
     threads for each costs more than it gains.  ``policy``,
     ``complete`` and ``skip`` are those of :func:`pdproto.audit`.  Needs
-    torch (a :class:`~pdproto.UsageError` when it is missing)."""
+    torch (a :class:`~pdproto.UsageError` when it is missing).
+
+    ``model``: a built-in model name (``tiny-llama``, ``tiny-qwen2``,
+    ``tiny-mistral``, ``smollm2-135m``), the path of a local Hugging Face model
+    folder, or a loaded model: replay with that real transformer (the model
+    backend, which needs the ``model`` extra): P prefills, the real KV moves
+    through the history's blocks, D decodes, and each decode step's logits
+    are compared bit for bit with a colocated run (``logit-divergence``).  The
+    layers and KV heads are then the model's (``layers`` / ``kv_heads`` must
+    be left None), ``head_dim`` and ``dtype`` those of the ownership channel."""
     tb = load_torch_backend()
+    mb = None
+    if model is not None:
+        mb = load_model_backend()
+        if layers is not None or kv_heads is not None:
+            raise UsageError("--layers/--kv-heads with --model", layers if layers is not None else kv_heads,
+                             "none: the model sets the layers and KV heads")
+        model = mb.load_model(model) if isinstance(model, (str, os.PathLike)) else model
     skipped = check_invariant_ids(skip)
     _check_shapes(layers, kv_heads, head_dim, block_size)
     if threads is not None and (type(threads) is not int or threads < 1):
@@ -144,7 +192,7 @@ def replay(
         torch.set_num_threads(threads)
     try:
         return _replay(tb, path, device, dtype, tp, layers, kv_heads, head_dim, block_size, layout, scale,
-                       policy, complete, skipped, max_line_bytes, max_memory)
+                       policy, complete, skipped, max_line_bytes, max_memory, mb, model)
     finally:
         if threads is not None:
             torch.set_num_threads(before)
@@ -153,14 +201,19 @@ def replay(
 def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | None, tp: str | None,
             layers: int | None, kv_heads: int | None, head_dim: int | None, block_size: int | None,
             layout: str | None, scale: str | None, policy: str | None, complete: bool, skipped: Any,
-            max_line_bytes: int, max_memory: int | None) -> ReplayResult:
+            max_line_bytes: int, max_memory: int | None, mb: Any = None, model: Any = None) -> ReplayResult:
     with open_history(os.fspath(path), max_line_bytes=max_line_bytes) as reader:
         monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
         limit = {} if max_memory is None else {"max_memory": max_memory}  # default: the backend's
-        backend = tb.TorchBackend(reader.header, device=device, dtype=dtype,
-                                  tp=None if tp is None else tb.parse_tp(tp), layers=layers,
-                                  kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                                  layout=layout, scale=scale, **limit)
+        if mb is not None:
+            backend = mb.ModelBackend(reader.header, model=model, device=device, dtype=dtype,
+                                      tp=None if tp is None else tb.parse_tp(tp), head_dim=head_dim,
+                                      block_size=block_size, layout=layout, scale=scale, **limit)
+        else:
+            backend = tb.TorchBackend(reader.header, device=device, dtype=dtype,
+                                      tp=None if tp is None else tb.parse_tp(tp), layers=layers,
+                                      kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                                      layout=layout, scale=scale, **limit)
         feed, apply = monitor.feed, backend.apply
         for line, event in reader:
             feed(event, line)
@@ -180,6 +233,12 @@ def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | Non
 
 
 def _backend_info(backend: Any) -> dict[str, Any]:
+    model = getattr(backend, "m", None)
+    if model is not None:  # the model backend: its ownership channel's layout, and the model
+        out = _backend_info(backend.tags)
+        out["name"] = "model"
+        out["model"] = backend.info()
+        return out
     L = backend.layout
     out = {
         "name": "torch",
@@ -202,4 +261,5 @@ def _backend_info(backend: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["replay", "ReplayResult", "load_torch_backend", "torch_backend_factory", "KV_CORRUPTION"]
+__all__ = ["replay", "ReplayResult", "load_torch_backend", "torch_backend_factory", "load_model_backend",
+           "model_backend_factory", "KV_CORRUPTION", "LOGIT_DIVERGENCE"]
