@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import math
 import random
 
@@ -262,3 +263,74 @@ def test_memory_is_bounded_per_request() -> None:
     for i in range(5):
         kept.add(record(i, float(i), [i + 0.5]))
     assert [r.id for r in kept.records] == ["r0", "r1"]
+
+
+# -- plots -------------------------------------------------------------------------------
+
+
+def two_arms() -> dict[str, Metrics]:
+    arms = {}
+    for name, gap in (("colocated", 0.03), ("pd 2P1D", 0.02)):
+        m = Metrics(name)
+        for r in random_records(200, 4):
+            if r.completed:
+                tt = [r.token_times[0] + gap * k for k in range(len(r.token_times))]
+                r = record(int(r.id[1:]), r.arrival, tt)
+            m.add(r)
+        arms[name] = m
+    return arms
+
+
+@pytest.mark.slow
+def test_plots_write_files(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("matplotlib")
+    from pdproto.sim._plot import (
+        plot_cdfs,
+        plot_goodput_vs_rate,
+        plot_goodput_vs_ratio,
+        plot_occupancy,
+        plot_timeline,
+    )
+
+    arms = two_arms()
+    made = [
+        plot_cdfs(arms, tmp_path / "cdf.png", slo=SLO.ms(ttft=300, itl=40)),
+        plot_cdfs(arms, tmp_path / "cdf.svg", metrics=("tpot", "first_gap", "e2e")),
+        plot_goodput_vs_rate({"colocated": [(1, 0.9), (2, 1.5), (3, 1.2)], "pd": [(1, 1.0), (4, 3.3)]},
+                             tmp_path / "rate.png", best={"pd": 3.5}),
+        plot_goodput_vs_ratio([("1P1D", 2.5), ("2P1D", 3.3), ("1P2D", 1.9)], tmp_path / "ratio.pdf",
+                              baseline=("colocated", 1.6)),
+        plot_occupancy([(0.1 * k, pool, k % 5, (k % 10) / 10, 1.0 if k % 2 else 0.5)
+                        for k in range(50) for pool in ("prefill", "decode")], tmp_path / "occ.png"),
+        plot_timeline([record(0, 0.0, [0.08, 0.084, 0.088]), record(1, 0.01, [0.08, 0.084])],
+                      tmp_path / "timeline.png", title="the seed's two requests"),
+    ]
+    for path in made:
+        assert path.exists() and path.stat().st_size > 1000, path
+    assert (tmp_path / "cdf.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_timeline_plot(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("matplotlib")
+    from pdproto.sim._plot import plot_timeline
+
+    path = plot_timeline([record(0, 0.0, [0.07, 0.074]), record(1, 0.0, [0.04, 0.066])], tmp_path / "t.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_bad_input(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from pdproto._errors import MissingExtraError
+    from pdproto.sim._plot import plot_cdfs, plot_timeline
+
+    with pytest.raises(UsageError, match="metric"):
+        plot_cdfs(two_arms(), tmp_path / "x.png", metrics=("goodput",))
+    with pytest.raises(UsageError, match="at least one"):
+        plot_timeline([], tmp_path / "x.png")
+    with pytest.raises(UsageError, match=r"\.png"):
+        plot_cdfs(two_arms(), tmp_path / "x.jpg")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MissingExtraError, match=r"pdproto\[plot\]"):
+        plot_cdfs(two_arms(), tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
