@@ -237,3 +237,21 @@ def test_config_checks_and_device_counts() -> None:
             SimConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="decode_events"):
         simulate([], SimConfig(), decode_events="some")
+
+
+@pytest.mark.parametrize("arm", ["colocated", "chunked", "pd"])
+def test_macro_steps_change_nothing_but_the_event_count(arm: str, monkeypatch) -> None:
+    """Decode steps with nobody joining, leaving or growing run as one event
+    (a macro-step); the records are exactly those of one event per step."""
+    import pdproto.sim._engine as engine
+
+    reqs = faulty(200, seed=9) if arm == "pd" else poisson(200, 25.0, seed=9)
+    for kv in (None, 150):
+        cfg = SimConfig(arm=arm, devices=2, kv_blocks=kv, block_size=16, transfer_fail_rate=0.1 if arm == "pd" else 0.0)
+        fast, res = run(reqs, cfg, table=None)
+        monkeypatch.setattr(engine, "_MACRO", 1)
+        slow, res1 = run(reqs, cfg, table=None)
+        monkeypatch.undo()
+        assert fast == slow and res.ok and res1.ok
+        if arm != "chunked":
+            assert sum(p["steps"] for p in res.pools.values()) < sum(p["steps"] for p in res1.pools.values())

@@ -46,6 +46,7 @@ keeps only live requests.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -90,8 +91,8 @@ GIB = 2**30
 # event kinds on the heap
 _ARRIVE, _STEP, _XSTART, _XJOIN, _XDONE, _CANCEL, _TIMEOUT, _QTIMEOUT = range(8)
 _PHASE = ("queued", "queued", "prefill", "transfer", "transfer", "decode", "done")
-_DSTEP = ("d",)
-_POOL = {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}  # the batch of a pure decode step
+_DSTEP = ("d",)  # the batch of a pure decode step
+_MACRO = 64  # most decode steps one macro-step event covers
 # request states
 _RQ, _PQ, _PRE, _COORD, _XFER, _DEC, _DONE = range(7)
 
@@ -283,7 +284,7 @@ class _Inst:
         "name", "role", "lat", "nblocks", "free", "waiting", "running", "prefilling", "busy", "batch",
         "busy_time", "kv_area", "q_area", "last", "preempted", "peak_q", "peak_kv", "steps",
         "egress", "qtok", "pending", "first", "k", "dtimes", "dbase", "ends", "grows", "ctx", "ndec",
-        "cancels",
+        "cancels", "mends", "eheap", "version",
     )
 
     def __init__(self, name: str, role: str, lat: Any, nblocks: int) -> None:
@@ -316,6 +317,9 @@ class _Inst:
         self.ctx = 0  # KV positions the running sequences read per step
         self.ndec = 0
         self.cancels: list[_Req] = []
+        self.mends: list[float] | None = None  # end times of the steps of the macro-step in progress
+        self.eheap: list[int] = []  # step indexes in ends, as a heap
+        self.version = 0  # of the step event in flight
         self.egress: _Egress | None = None
 
 
@@ -360,7 +364,8 @@ def simulate(
     go to an inline :class:`~pdproto.spec.Monitor` (``monitor``) and to
     ``history`` (a text stream); ``decode_events`` is ``"first"`` (only each
     generation's first decode, the handoff boundary the monitor judges; the
-    fast default) or ``"all"`` (one event per token).  ``sample_dt`` records
+    fast default) or ``"all"`` (one event per token).  ``sample_dt`` (default
+    0.1 s with ``metrics``; halved in rate as samples pile up) records
     pool samples every that many simulated seconds (queue, KV, busy) for the
     diagnostics and plots.
     """
@@ -370,6 +375,8 @@ def simulate(
         from ._metrics import RequestRecord as record  # noqa: N813
     if sink is None and metrics is not None:
         sink = metrics.add
+    if sample_dt is None and metrics is not None:
+        sample_dt = 0.1
     sim = _Sim(config, sink, monitor, history, decode_events, table, sample_dt, record)
     sim.metrics = metrics
     return sim.run(iter(requests))
@@ -508,7 +515,8 @@ class _Sim:
                 if self.sample_dt is not None and t >= self.next_sample:
                     self.sample()
                 if kind == _STEP:
-                    self.step_done(obj)
+                    if extra == obj.version:
+                        self.step_done(obj)
                 elif kind == _ARRIVE:
                     self.arrive(obj)
                     self.next_arrival()
@@ -596,6 +604,8 @@ class _Sim:
             self.account(inst)
             inst.waiting.append(r)
             inst.qtok += r.plen
+            if inst.mends is not None:
+                self.interrupt(inst)
             r.state = _PQ
             r.p = inst
             r.enq = self.now
@@ -734,6 +744,7 @@ class _Sim:
                 self.done(r)
             else:
                 inst.cancels.append(r)  # leaves at the end of the step in progress
+                self.interrupt(inst)
         # _PRE: the step in progress ends first (step_done drops it)
 
     def give_up(self, r: _Req, why: str) -> None:
@@ -790,14 +801,13 @@ class _Sim:
             return
         inst.busy = True
         inst.batch = batch
-        if self.metrics is not None:
-            self.gauges(inst)
         inst.busy_time += dur
         inst.steps += 1
         used = inst.nblocks - len(inst.free)
         if used > inst.peak_kv:
             inst.peak_kv = used
-        self.push(self.now + dur, _STEP, inst)
+        inst.version += 1
+        self.push(self.now + dur, _STEP, inst, inst.version)
 
     def prefill_batch(self, inst: _Inst, cap: int) -> tuple[float | None, Any]:
         """Admit waiting prompts while blocks and ``cap`` tokens allow."""
@@ -846,6 +856,8 @@ class _Sim:
         r.state = _DEC
         r.di = inst
         inst.pending.append(r)
+        if inst.mends is not None:
+            self.interrupt(inst)
         if r.cancel_phase == "decode":
             self.enter(r, "decode")
 
@@ -858,6 +870,7 @@ class _Sim:
             inst.ctx += r.plen
             left = r.out - r.produced  # decodes still to run
             last = s + left - 1
+            heapq.heappush(inst.eheap, last)
             ends = inst.ends.get(last)
             if ends is None:
                 inst.ends[last] = [(r, r.ep)]
@@ -957,9 +970,59 @@ class _Sim:
         if not inst.running:
             inst.first.clear()
             return None
-        inst.k += 1
-        inst.ndec = len(inst.running)
-        return inst.lat.step(0, 0, inst.ndec, inst.ctx)
+        n = inst.ndec = len(inst.running)
+        s = inst.k
+        ctx = inst.ctx
+        step = inst.lat.step
+        k = 1
+        if not inst.first and not self.all_decodes and (inst.role == "decode" or not inst.waiting):
+            k = self.macro_len(inst, s)
+        if k == 1:
+            inst.k += 1
+            inst.mends = None
+            return step(0, 0, n, ctx)
+        # a macro-step: k steps with nobody joining, leaving or short of a block
+        t = self.now
+        ends = []
+        for i in range(k):
+            t += step(0, 0, n, ctx + i * n)
+            ends.append(t)
+        inst.k += k
+        inst.mends = ends
+        return t - self.now
+
+    def macro_len(self, inst: _Inst, s: int) -> int:
+        """How many decode steps from step ``s`` on can run as one event: up
+        to the step at which the next sequence ends, and before the next step
+        at which one needs a new block (its allocation, or a preemption,
+        happens exactly there)."""
+        heap = inst.eheap
+        ends = inst.ends
+        while heap and (heap[0] < s or heap[0] not in ends):
+            heapq.heappop(heap)
+        k = min(_MACRO, heap[0] - s + 1) if heap else _MACRO
+        grows = inst.grows
+        if grows:
+            for i in range(s + 1, s + k):
+                if i in grows:
+                    return i - s
+        return k
+
+    def interrupt(self, inst: _Inst) -> None:
+        """Something changed for ``inst`` (a sequence joins or is cancelled, a
+        prompt arrives): end its macro-step at the end of the step in progress."""
+        m = inst.mends
+        if m is None or not inst.busy:
+            return
+        i = bisect.bisect_left(m, self.now)
+        if i >= len(m) - 1:
+            return
+        drop = len(m) - 1 - i
+        inst.k -= drop
+        inst.busy_time -= m[-1] - m[i]
+        del m[i + 1:]
+        inst.version += 1
+        self.push(m[i], _STEP, inst, inst.version)
 
     def chunked_batch(self, inst: _Inst) -> tuple[float | None, Any]:
         if inst.pending:
@@ -1055,8 +1118,14 @@ class _Sim:
         """A decode step ended: every running sequence has one more token."""
         now = self.now
         s = inst.k - 1
-        inst.dtimes.append(now)
-        inst.ctx += inst.ndec
+        m = inst.mends
+        if m is None:
+            inst.dtimes.append(now)
+            inst.ctx += inst.ndec
+        else:
+            inst.dtimes.extend(m)
+            inst.ctx += inst.ndec * len(m)
+            inst.mends = None
         pd = inst.role == "decode"
         ev = self.ev_on
         if ev:
@@ -1243,15 +1312,6 @@ class _Sim:
 
     # -- results ------------------------------------------------------------------
 
-    def gauges(self, inst: _Inst) -> None:
-        pool = self.pools[_POOL[inst.role]]
-        m = self.metrics
-        name = _POOL[inst.role]
-        q = sum(len(i.waiting) for i in pool) + (len(self.rq) if name == "prefill" else 0)
-        m.gauge(name + ".queue").set(self.now, q)
-        m.gauge(name + ".kv_blocks", pool[0].nblocks * len(pool)).set(
-            self.now, sum(i.nblocks - len(i.free) for i in pool))
-
     def sample(self) -> None:
         t = self.now
         for name, pool in self.pools.items():
@@ -1259,6 +1319,13 @@ class _Sim:
             kv = sum(i.nblocks - len(i.free) for i in pool) / sum(i.nblocks for i in pool)
             busy = sum(1 for i in pool if i.busy) / len(pool)
             self.samples.append((t, name, q, kv, busy))
+            if self.metrics is not None:
+                self.metrics.gauge(name + ".queue").set(t, q)
+                cap = pool[0].nblocks * len(pool)
+                self.metrics.gauge(name + ".kv_blocks", cap).set(t, kv * cap)
+        if len(self.samples) > 8000:  # bounded: keep every other sample, sample half as often
+            self.samples = self.samples[::2]
+            self.sample_dt *= 2  # type: ignore[operator]
         self.next_sample = t + self.sample_dt  # type: ignore[operator]
 
     def result(self, wall: float) -> SimResult:
