@@ -237,3 +237,17 @@ def test_dynamo_planner_closed_form_on_a_steady_workload() -> None:
     assert fewer_p["late_ttft_ms"] > 5 * ok["late_ttft_ms"] and fewer_p["late_ttft_ms"] > 1000.0
     fewer_d = summary(n_p, n_d - 1)  # one D at 20 rps: steps of about 66 ms
     assert fewer_d["tpot_ms"]["mean"] > 40.0
+
+
+# -- DistServe's M/D/1 cross-check ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", [2.0, 6.0])
+def test_prefill_queue_is_md1(rate: float) -> None:
+    """DistServe models a prefill instance as M/D/1: mean TTFT = D + R D^2 / (2 (1 - R D))."""
+    requests = list(make_workload(WorkloadSpec.poisson(rate, 512, 1), 4000, seed=0))
+    records, _ = run(requests, SimConfig(arm="colocated", devices=1, **TOY), TOY_TABLE, monitor=False,
+                     prefill_s=TOY_PREFILL_S)
+    d = TOY_PREFILL_S
+    mean_ttft = math.fsum(r.ttft for r in records) / len(records)  # type: ignore[misc]
+    assert mean_ttft == pytest.approx(d + rate * d * d / (2 * (1 - rate * d)), rel=0.05)
