@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
@@ -121,3 +122,14 @@ def test_sweep_at_a_rate_finds_the_cheapest_budget(capsys: pytest.CaptureFixture
     assert code == 0 and data["mode"] == "cheapest"
     assert data["budget"] == 2  # PD needs one P and one D
     assert all(c["devices"] == 2 for c in data["configs"])
+
+
+def test_plot_writes_the_pictures(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    code, data = run_json(capsys, *SMALL, "--plot", str(tmp_path))
+    assert code == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(["cdf.png", "occupancy-colocated.png", "occupancy-chunked.png", "occupancy-pd.png",
+                            "timeline-colocated.png", "timeline-chunked.png", "timeline-pd.png"])
+    assert sorted(pathlib.Path(p).name for p in data["plots"]) == names
+    assert main(["simulate", *SMALL, "--plot", str(tmp_path / "missing")]) == 2

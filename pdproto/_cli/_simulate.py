@@ -284,6 +284,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if not 0 < args.target <= 1:
         raise UsageError("--target", args.target, "an attainment in (0, 1]")
     check_output_path(args.history, "--history")
+    if args.plot:
+        _plot_dir(args.plot)
     try:
         slo = SLO.parse(args.slo)
         spec = _workload(args)
@@ -307,15 +309,16 @@ def run(args: argparse.Namespace, console: Any) -> int:
     finally:
         if history is not None:
             history.close()
-    if args.plot:
-        _plots(args.plot, runs, slo)
+    plots = _plots(args.plot, runs, slo) if args.plot else []
     violation = next((r["result"]["violation"] for r in runs if r["result"]["violation"]), None)
     if args.json:
         print_json({"workload": _describe_workload(spec, args), "slo_ms": slo.to_ms(), "target": args.target,
                     "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
-                    "verdict": _verdict(runs), "violation": violation})
+                    "verdict": _verdict(runs), "violation": violation, "plots": plots})
     else:
         _report(console, spec, args, slo, runs)
+        for path in plots:
+            console.print(f"  plot: {esc(path)}")
     return EXIT_VIOLATION if violation else EXIT_OK
 
 
@@ -494,9 +497,10 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
     budget = args.budget or 4
     rows = sweep(spec, base, budget, slo, tps=tps, target=args.target, n=args.sweep_requests, seed=args.seed,
                  arms=arms, span=args.sweep_span)
+    plots = _sweep_plots(args.plot, rows) if args.plot else []
     if args.json:
         print_json({"mode": "budget", "budget": budget, "slo_ms": slo.to_ms(), "target": args.target,
-                    "rows": [r.to_dict() for r in rows]})
+                    "rows": [r.to_dict() for r in rows], "plots": plots})
         return EXIT_OK
     from rich.table import Table
     from rich.text import Text
@@ -514,18 +518,51 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
     console.print(t)
     if rows:
         console.print(Text(f"Pick: {rows[0].config.label()} ({rows[0].per_device:.3f} rps per device)", style="bold"))
+    for path in plots:
+        console.print(f"  plot: {esc(path)}")
     return EXIT_OK
 
 
-def _plots(directory: str, runs: list[dict[str, Any]], slo: Any) -> None:
+def _plot_dir(directory: str) -> str:
+    import os
+
+    if not os.path.isdir(directory):
+        raise UsageError("--plot", directory, "an existing directory")
+    return directory
+
+
+def _plots(directory: str, runs: list[dict[str, Any]], slo: Any) -> list[str]:
+    """CDFs of TTFT and ITL per arm, pool occupancy and the first two PD requests' timeline."""
     import os
 
     from ..sim import _plot
 
-    if not os.path.isdir(directory):
-        raise UsageError("--plot", directory, "an existing directory")
-    fn = getattr(_plot, "write_run_plots", None)
-    if fn is None:
-        raise UsageError("--plot", directory, "a build of pdproto whose simulator has plots")
-    fn(directory, {r["label"]: r["_metrics"] for r in runs}, {r["label"]: r["_result"] for r in runs})
+    written = [_plot.plot_cdfs({r["label"]: r["_metrics"] for r in runs}, os.path.join(directory, "cdf.png"),
+                               slo=slo)]
+    for r in runs:
+        samples = r["_result"].samples
+        if samples:
+            written.append(_plot.plot_occupancy(samples, os.path.join(directory, f"occupancy-{r['arm']}.png")))
+        recs = [x for x in r["_metrics"].records if x.completed][:2]
+        if len(recs) == 2:
+            written.append(_plot.plot_timeline(recs, os.path.join(directory, f"timeline-{r['arm']}.png"),
+                                               title=f"first two requests, {r['label']}"))
+    return [str(w) for w in written]
 
+
+def _sweep_plots(directory: str, rows: list[Any]) -> list[str]:
+    import os
+
+    from ..sim import _plot
+
+    colo = next((r for r in rows if r.config.arm == "colocated"), None)
+    pts = [(r.config.label(), r.per_device) for r in rows if r.config.arm == "pd"]
+    out = []
+    if pts:
+        out.append(_plot.plot_goodput_vs_ratio(pts, os.path.join(directory, "goodput-vs-ratio.png"),
+                                               baseline=(colo.config.label(), colo.per_device) if colo else None))
+    good = {r.config.label(): [(p.rate, p.goodput / r.devices) for p in sorted(r.probes, key=lambda p: p.rate)]
+            for r in rows}
+    out.append(_plot.plot_goodput_vs_rate(good, os.path.join(directory, "goodput-vs-rate.png"),
+                                          best={r.config.label(): r.max_rate for r in rows}))
+    return [str(w) for w in out]
