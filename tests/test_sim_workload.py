@@ -277,6 +277,8 @@ def test_bad_trace_is_one_error_naming_file_line_and_field(
     assert err.field == field
     if field:
         assert repr(field) in str(err)
+    if err.value is not None:
+        assert f"(got {err.value!r})" in str(err) or "...')" in str(err)
     assert "\n" not in str(err)
 
 

@@ -91,7 +91,13 @@ class TraceFormatError(PdprotoError, ValueError):
         self.value = value
         where = f"{source}:{line}" if line else source
         what = f" field {field!r}:" if field is not None else ""
-        super().__init__(f"{where}:{what} {problem}")
+        got = f" (got {_short(value)!r})" if value is not None else ""
+        super().__init__(f"{where}:{what} {problem}{got}")
+
+
+def _short(value: object) -> object:
+    """``value`` for a message: a long string cut to 40 characters."""
+    return value[:40] + "..." if isinstance(value, str) and len(value) > 40 else value
 
 
 # -- validators ---------------------------------------------------------------
