@@ -10,12 +10,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from pdproto.drivers import audit  # noqa: E402
+from pdproto.protocol import Action  # noqa: E402
+from pdproto.spec import write_history  # noqa: E402
 
 recording = pytest.importorskip("pdproto.adapters.vllm.recording")
 
@@ -189,13 +192,15 @@ def test_clean_handoff_records_a_clean_history(harness, tmp_path):
     assert violations == []
     assert kinds(events) == [
         "submit", "prefill_start", "prefill_done", "reserve", "transfer_start",
-        "transfer_read_done", "transfer_write_done", "commit", "free",  # P frees after D's notification
-        "decode", "decode", "decode", "finish", "free",
+        "transfer_read_done", "transfer_write_done",  # D: finished_recving
+        "transfer_read_done", "free",  # P: finished_sending before the lease's end (D's notification)
+        "commit", "decode", "decode", "decode", "finish", "free",
     ]
+    assert events[7].get("if_started") is True and events[7]["transfer"] == events[4]["transfer"]
     start = events[4]
     assert start["src"] == h.P_ENGINE and start["dst"] == h.D_ENGINE
     assert start["src_blocks"] == events[1]["blocks"] and start["dst_blocks"] == events[3]["blocks"]
-    first = events[9]
+    first = events[10]
     assert first["position"] == len(PROMPT) - 1 and first["input_token"] == PROMPT[-1]  # recompute
 
 
@@ -216,7 +221,10 @@ def test_cancel_at_d_while_waiting_holds_blocks_until_the_late_notification(harn
     drain(h)
     events, violations = recorded(h, tmp_path)
     assert violations == []
-    assert kinds(events)[-4:] == ["transfer_read_done", "transfer_write_done", "free", "free"]
+    d_end = next(i for i, e in enumerate(events) if e["ev"] == "transfer_write_done")
+    d_free = next(i for i, e in enumerate(events) if e["ev"] == "free" and e["worker"] == h.D_ENGINE)
+    assert d_end < d_free, "D's blocks go back only after the late notification"
+    assert kinds(events).count("free") == 2
 
 
 @pytest.mark.slow
@@ -246,3 +254,127 @@ def test_failed_read_records_transfer_failed_and_no_commit(harness, tmp_path):
     assert "transfer_failed" in kinds(events) and "commit" not in kinds(events)
     assert kinds(events).count("free") == 2
     assert violations == []
+
+
+# -- the same actions through the adapter: both audit the same ---------------------------
+
+
+@pytest.fixture(scope="module")
+def adapter(harness):
+    from pdproto.adapters.vllm import VllmAdapter
+
+    return VllmAdapter("pull", harness=harness)  # closed with the harness
+
+
+def act(kind, *args, actor=None):
+    actors = {"submit": "client", "abort": "client", "retry": "client", "complete": "net",
+              "fail_transfer": "net", "expire": "clock"}
+    fault = kind in ("abort", "fail_transfer", "retry", "expire")
+    return Action(kind, actor or actors[kind], args, fault=fault)
+
+
+STEP_P, STEP_D = Action("step", "P0", ("P0",)), Action("step", "D0", ("D0",))
+
+
+def enabled_as(a, action):
+    """``action`` as the adapter offers it now (whether letting a lease
+    pass is a fault depends on the state)."""
+    if action.kind == "expire":
+        return next((x for x in a.actions() if x.kind == "expire"), action)
+    return action
+
+
+def both_audits(a, tmp_path, actions, *, drain=True, rng=None, steps=0, exclude=("restart",)):
+    """Apply ``actions`` (then, with ``rng``, ``steps`` random ones; then, with
+    ``drain``, the non-fault ones until none is left) to the adapter, whose
+    engines' connector is the recorder.  Returns the invariant ids of the
+    adapter's own history and of the recorders' merged one, and the trace."""
+    a.reset()
+    files = [a.h.sched[s].connector.history_path for s in ("P", "D")]
+    events, trace = [], []
+
+    def apply(action):
+        action = enabled_as(a, action)
+        trace.append(str(action))
+        events.extend(a.apply(action))
+        if action.kind in ("complete", "fail_transfer") and STEP_D in a.actions():
+            # D's worker reports a finished read in the step that saw it: D's
+            # scheduler learns it before P's next step (see the race test below)
+            trace.append(str(STEP_D))
+            events.extend(a.apply(STEP_D))
+
+    for action in actions:
+        apply(action)
+    for _ in range(steps):
+        enabled = [x for x in a.actions() if x.kind not in exclude]
+        if not enabled:
+            break
+        apply(rng.choice(enabled))
+    for _ in range(200 if drain else 0):
+        enabled = [x for x in a.actions() if not x.fault]
+        if not enabled:
+            break
+        apply(enabled[0])
+    for side in ("P", "D"):
+        a.h.sched[side].connector.shutdown()  # the end of each engine's history
+    mine = tmp_path / "adapter.jsonl"
+    write_history(mine, events, a.header)
+    merged = tmp_path / "recorded.jsonl"
+    recording.merge_histories(files, merged, complete=True)
+    ids = [sorted({v.invariant for v in audit(p).violations}) for p in (mine, merged)]
+    return ids[0], ids[1], trace
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, actions, drain, expected", [
+    ("clean", [act("submit", "r1"), STEP_P, STEP_D, act("complete", "r1", 0)], True, []),
+    ("cancel at D while waiting, no late notification",
+     [act("submit", "r1"), STEP_P, STEP_D, act("abort", "r1"), STEP_P], False, ["leak"]),
+    ("cancel at D while waiting, late notification",
+     [act("submit", "r1"), STEP_P, STEP_D, act("abort", "r1"), act("complete", "r1", 0)], True, []),
+    ("P's lease expires while D reads",
+     [act("submit", "r1"), STEP_P, STEP_D, STEP_P, act("expire"), STEP_P, act("complete", "r1", 0)], True,
+     ["early-source-free"]),
+    ("failed read", [act("submit", "r1"), STEP_P, STEP_D, act("fail_transfer", "r1", 0)], True, []),
+])
+def test_recorder_audits_as_the_adapter_observed(adapter, tmp_path, name, actions, drain, expected):
+    observed, recorded_ids, trace = both_audits(adapter, tmp_path, actions, drain=drain)
+    assert observed == expected, trace
+    assert recorded_ids == observed, trace
+
+
+@pytest.mark.slow
+def test_recorder_audits_as_the_adapter_observed_on_random_walks(adapter, tmp_path):
+    rng = random.Random(11)
+    verdicts = []
+    for example in range(40):
+        observed, recorded_ids, trace = both_audits(adapter, tmp_path, [], rng=rng, steps=25)
+        assert recorded_ids == observed, f"example {example}: {' '.join(trace)}"
+        verdicts.append(tuple(observed))
+    assert () in verdicts and any(verdicts), verdicts  # clean runs and violating ones
+
+
+@pytest.mark.slow
+def test_a_read_ending_within_a_step_of_the_lease_is_the_recorders_known_false_alarm(adapter, tmp_path):
+    # D's read completes, then P's lease deadline passes and P steps before D
+    # does: P's scheduler sees finished_sending after the deadline (it cannot
+    # tell D's notification from the lease), D's scheduler has not yet heard of
+    # the read's end.  The adapter saw the data plane finish first.
+    a = adapter
+    a.reset()
+    files = [a.h.sched[s].connector.history_path for s in ("P", "D")]
+    events = []
+    for action in [act("submit", "r1"), STEP_P, STEP_D, STEP_P, act("complete", "r1", 0), act("expire"),
+                   STEP_P]:
+        events.extend(a.apply(enabled_as(a, action)))
+    for _ in range(50):
+        enabled = [x for x in a.actions() if not x.fault]
+        if not enabled:
+            break
+        events.extend(a.apply(enabled[0]))
+    for side in ("P", "D"):
+        a.h.sched[side].connector.shutdown()
+    write_history(tmp_path / "a.jsonl", events, a.header)
+    recording.merge_histories(files, tmp_path / "r.jsonl", complete=True)
+    assert [v.invariant for v in audit(tmp_path / "a.jsonl").violations] == []
+    assert [v.invariant for v in audit(tmp_path / "r.jsonl").violations] == ["early-source-free"]

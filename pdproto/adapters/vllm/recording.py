@@ -43,10 +43,10 @@ What a hook-level recorder cannot see, and how it shows:
 - It writes one file per engine; the P/D pair is judged on their merge
   (:func:`merge_histories`, ordered by each event's ``"t"``, wall-clock ms).
   Across hosts that order is only as good as the clocks.
-- A free happens right after a hook returns (``request_finished`` says the
-  blocks may go; ``finished_sending`` frees them after
-  ``update_connector_output``); it is recorded at the next hook of that
-  engine (at most one scheduler step later), from the block table.
+- A free happens right after a hook returns; it is seen in the block table
+  at the next hook: the frees of ``finished_sending`` / ``finished_recving``
+  at ``take_events`` (the scheduler's last call in ``update_from_output``),
+  an abort's at the engine's next step (or at shutdown).
 - Transfer completions come from D's scheduler (``finished_recving``), one
   step after the worker saw them; the data plane itself is not observed.
 - The lease, the heartbeats and the P worker's reason for ``finished_sending``
@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import sys
 import time
 from typing import Any, Iterator, Sequence
 
@@ -98,6 +99,7 @@ from ...spec._events import (  # noqa: E402
     PrefillDone,
     PrefillStart,
     Reserve,
+    Restart,
     Share,
     Submit,
     TransferFailed,
@@ -128,7 +130,27 @@ EXTRA_INNER = "pdproto_inner"
 #: the environment variable read when the extra config names no history path
 ENV_HISTORY = "PDPROTO_HISTORY"
 
+#: the extra key of a ``transfer_read_done`` that P records from D's
+#: notification: it names the transfer from P's blocks if D started one;
+#: :func:`merge_histories` drops it when none started (a notification only)
+IF_STARTED = "if_started"
+
 _PULL = {"NixlConnector": _NixlPull, "NixlPullConnector": _NixlPull}
+
+
+def transfer_id(p_request_id: str) -> str:
+    """The id of the transfer that reads the KV of P's request (pull: one
+    per P request), known on both sides: D reads it from
+    ``remote_request_id``."""
+    return f"x-{p_request_id}"
+
+
+def _nixl_now() -> float | None:
+    """Now on the clock of NIXL's lease deadlines (its scheduler module's
+    ``time.perf_counter``, which a test harness may replace)."""
+    module = sys.modules.get(_NixlPull.__module__.rpartition(".")[0] + ".base_scheduler")
+    clock_module = getattr(module, "time", None)
+    return clock_module.perf_counter() if clock_module is not None else None
 _PUSH = {"NixlPushConnector": _NixlPush}
 
 _FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -143,7 +165,7 @@ class _Gen:
 
     __slots__ = (
         "request", "key", "side", "table", "ticket", "transfer", "xfer",
-        "invalid", "committed", "pending", "ended", "hit", "allocated",
+        "invalid", "committed", "pending", "ended", "hit", "allocated", "deadline",
     )
 
     def __init__(self, request: Any, key: str, side: str) -> None:
@@ -160,6 +182,7 @@ class _Gen:
         self.ended = False  # finish / cancel / fail recorded
         self.hit = 0  # local prefix hit (tokens) the scheduler offered the connector
         self.allocated = False  # prefill_start / reserve recorded
+        self.deadline: float | None = None  # P: the lease deadline NIXL set at request_finished
 
 
 class _Recorder:
@@ -176,10 +199,19 @@ class _Recorder:
         self.manager: Any = None  # the scheduler's KVCacheManager (bind_kv_cache_manager)
 
     # -- writing -------------------------------------------------------------
-    def emit(self, cls: type[Event], **fields: Any) -> None:
-        event = cls(**fields, extra={"t": round(clock() / 1e6, 3)})
+    def emit(self, cls: type[Event], *, if_started: bool = False, **fields: Any) -> None:
+        extra: dict[str, Any] = {"t": round(clock() / 1e6, 3)}
+        if if_started:
+            extra[IF_STARTED] = True
+        if self._fh.closed:
+            return  # after shutdown: nothing more to say
+        event = cls(**fields, extra=extra)
         self._writer.write(event)
         self._fh.flush()
+
+    @property
+    def closed(self) -> bool:
+        return self._fh.closed
 
     def close(self) -> None:
         if not self._fh.closed:
@@ -275,7 +307,7 @@ class _Recorder:
             remote = list(rm.remote.block_ids[0]) if rm.remote.block_ids else []
             if not local:
                 continue  # a notification only (nothing to read)
-            g.transfer = f"x-{req_id}"
+            g.transfer = transfer_id(g.key)
             g.xfer = "started"
             self.emit(
                 TransferStart, transfer=g.transfer, ticket=g.ticket, request=g.key, gen=0,
@@ -292,7 +324,17 @@ class _Recorder:
                 g.committed = True
             g.pending.append(g.request.num_computed_tokens + n - 1)
 
-    def connector_output(self, output: Any) -> None:
+    def connector_output(self, output: Any, now: float | None) -> None:
+        for req_id in output.finished_sending or ():
+            g = self.gens.get(req_id)
+            if g is None or g.side != "prefill" or g.deadline is None or now is None:
+                continue
+            if now < g.deadline:
+                # D's notification, not the lease: no read of these blocks is in flight
+                # any more.  Said as the end of the reads of the transfer from them, if
+                # D started one (merge_histories drops it otherwise: a notification only).
+                self.emit(TransferReadDone, transfer=transfer_id(g.key), if_started=True)
+            g.deadline = None
         invalid = set(output.invalid_block_ids or ())
         failed = set(getattr(output, "failed_recving", None) or ())
         if invalid:
@@ -311,7 +353,7 @@ class _Recorder:
                 self.emit(TransferReadDone, transfer=g.transfer)
                 self.emit(TransferWriteDone, transfer=g.transfer)
 
-    def finished(self, request: Any) -> None:
+    def finished(self, request: Any, deadline: float | None) -> None:
         g = self.gens.get(request.request_id)
         if g is None or g.ended:
             return
@@ -321,6 +363,7 @@ class _Recorder:
             if out:
                 self.emit(PrefillDone, request=g.key, gen=0, worker=self.worker,
                           first_token=int(out[0]), processed_len=request.num_computed_tokens)
+            g.deadline = deadline
             g.ended = True  # the generation goes on at D
             return
         self.flush_decodes(g)
@@ -411,6 +454,7 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
                     "engine_id": engine, "role": who, "kv_role": ktc.kv_role,
                     "num_blocks": int(kv_cache_config.num_blocks), "block_size": block_size,
                     "connector": type(self._inner).__name__, "recorder": RECORDER_VERSION,
+                    "started": round(clock() / 1e6, 3),
                 }},
             )
             self._recorder = _Recorder(path, header, engine, block_size)
@@ -475,15 +519,22 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._recorder is not None:
             self._recorder.sync()
-            self._recorder.connector_output(connector_output)
+            self._recorder.connector_output(connector_output, _nixl_now())
         return self._inner.update_connector_output(connector_output)
+
+    def _lease_deadline(self, request: Any) -> float | None:
+        """The deadline NIXL's scheduler side just gave the blocks it keeps
+        for ``request`` (its ``_reqs_need_send``), if any."""
+        pending = getattr(getattr(self._inner, "connector_scheduler", None), "_reqs_need_send", None)
+        deadline = pending.get(request.request_id) if isinstance(pending, dict) else None
+        return float(deadline) if isinstance(deadline, (int, float)) else None
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._recorder is not None:
             self._recorder.sync()
         result = self._inner.request_finished(request, block_ids)
         if self._recorder is not None:
-            self._recorder.finished(request)
+            self._recorder.finished(request, self._lease_deadline(request))
         return result
 
     def request_finished_all_groups(
@@ -497,10 +548,20 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
             assert len(block_ids) == 1
             result = self._inner.request_finished(request, block_ids[0])
         if self._recorder is not None:
-            self._recorder.finished(request)
+            self._recorder.finished(request, self._lease_deadline(request))
         return result
 
+    def take_events(self) -> Any:
+        # the scheduler asks for these last in update_from_output, after it freed
+        # what finished_sending / finished_recving released: the frees are seen here
+        events = self._inner.take_events()
+        if self._recorder is not None:
+            self._recorder.sync()
+        return events
+
     def shutdown(self) -> Any:
+        if self._recorder is not None and not self._recorder.closed:
+            self._recorder.sync()
         try:
             return self._inner.shutdown()
         finally:
@@ -603,7 +664,11 @@ def merge_histories(
     The header declares every worker when every worker the events name has a
     file (then ``capacity`` is checked); ``complete`` sets the header's
     ``complete`` (only for a run drained to the end: otherwise ``leak`` and
-    ``stuck`` flag work still in flight).  Files that disagree on the policy,
+    ``stuck`` flag work still in flight).  Two files of one engine id mean
+    that engine started again: a ``restart`` goes in at the later one's
+    start.  A ``transfer_read_done`` P recorded from D's notification
+    (extra ``"if_started": true``) is kept only when the transfer started
+    before it.  Files that disagree on the policy,
     the first-token convention or the block size are one
     :class:`~pdproto.UsageError`."""
     paths = [os.fspath(p) for p in paths]
@@ -637,6 +702,17 @@ def merge_histories(
                     if value is not None:
                         named.add(value)
     workers = declared if named <= set(declared) and declared else None
+    # a later file of the same engine: that engine started again
+    restarts: list[tuple[float, int, int, Event]] = []
+    by_engine: dict[str, list[float]] = {}
+    for h in headers:
+        info = h.extra.get("vllm") or {}
+        if "engine_id" in info and type(info.get("started")) in (int, float):
+            by_engine.setdefault(str(info["engine_id"]), []).append(float(info["started"]))
+    for engine, starts in by_engine.items():
+        for n, t in enumerate(sorted(starts)[1:], 1):
+            restarts.append((t, -1, 0, Restart(worker=engine, incarnation=n, extra={"t": t})))
+    restarts.sort(key=lambda item: item[0])
     header_kwargs: dict[str, Any] = dict(
         policy=first.policy, complete=complete, workers=workers, features=features, kv=first.kv,
         extra={"merged": [os.path.basename(p) for p in paths]},
@@ -648,8 +724,13 @@ def merge_histories(
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             writer = HistoryWriter(fh, header)
-            streams = [_events(p, i) for i, p in enumerate(paths)]
+            streams = [iter(restarts)] + [_events(p, i) for i, p in enumerate(paths)]
+            started: set[str] = set()
             for _t, _i, _line, event in heapq.merge(*streams, key=lambda item: (item[0], item[1])):
+                if type(event) is TransferStart:
+                    started.add(event.transfer)
+                elif event.extra.get(IF_STARTED) is True and event.transfer not in started:
+                    continue  # P heard D was done with its blocks, and D never read them
                 writer.write(event)
         os.replace(tmp, os.fspath(out))
     except BaseException:
