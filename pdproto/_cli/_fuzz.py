@@ -15,6 +15,10 @@ from . import positive_int
 from ._args import check_output_path, esc, print_result
 
 
+#: drawn steps per example against a real system (each step is real work)
+ADAPTER_STEPS = 40
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "fuzz",
@@ -32,8 +36,9 @@ def add_parser(sub: Any) -> None:
                    "module:attribute (default: the reference model)")
     p.add_argument("--examples", type=positive_int, default=200, metavar="N",
                    help="runs to try (default 200)")
-    p.add_argument("--steps", type=positive_int, default=300, metavar="N",
-                   help="rule steps per example before teardown drives it to quiescence (default 300)")
+    p.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                   help="rule steps per example before teardown drives it to quiescence (default 300; "
+                   f"{ADAPTER_STEPS} with --adapter)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="make the run repeatable")
     p.add_argument("--requests", type=positive_int, metavar="N", help="number of requests")
     p.add_argument("--workers", metavar="P:D", help="prefill and decode worker counts, e.g. 2:2")
@@ -57,8 +62,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--explain", action="store_true",
                    help="also run Hypothesis's own shrink and explain phases (off by default: the "
                    "failure is shrunk exactly by replaying it)")
+    p.add_argument("--adapter", metavar="NAME",
+                   help="fuzz a real system instead of a model: vllm (= vllm:pull), vllm:push, "
+                   "model:NAME, or module:attribute (docs/adapters.md); every violation found is "
+                   "shrunk and written as a history")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
+
+
+#: flags that configure a model, and so mean nothing with --adapter
+MODEL_ONLY = ("requests", "workers", "blocks", "policy", "faults", "coverage_exhaustive")
 
 
 
@@ -73,6 +86,8 @@ def parse_workers(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    if args.adapter is not None:
+        return run_adapter(args, console)
     from ..drivers._fuzz import FuzzStats, fuzz
     from ..drivers._loader import load_model
     from ..protocol._config import parse_faults
@@ -94,7 +109,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     stats = FuzzStats()
     with _progress(console, args, stats, info.name):
         result = fuzz(
-            model, examples=args.examples, steps=args.steps, seed=args.seed, out=args.out,
+            model, examples=args.examples, steps=args.steps or 300, seed=args.seed, out=args.out,
             database=None if args.no_database else ".hypothesis/examples", backend=backend,
             coverage_states=args.coverage_exhaustive, name=info.name, expected=info.expected,
             stats=stats, explain=args.explain,
@@ -166,3 +181,91 @@ def _report(console: Any, result: dict[str, Any], failure: Any) -> None:
     console.print(steps)
     if failure.history:
         console.print(f"history written to {esc(failure.history)}: pdproto audit {esc(failure.history)}")
+
+
+def run_adapter(args: argparse.Namespace, console: Any) -> int:
+    """``pdproto fuzz --adapter NAME``: fuzz a real system through its adapter."""
+    import time
+
+    from ..drivers._adapter import load_adapter
+    from ..drivers._adapter_fuzz import fuzz_adapter
+
+    if args.model is not None:
+        raise UsageError("MODEL", args.model, "no model with --adapter (the adapter is the system under test)")
+    given = [f"--{k.replace('_', '-')}" for k in MODEL_ONLY if getattr(args, k) is not None]
+    given += ["--backend"] if args.backend != "none" else []
+    given += ["--explain"] if args.explain else []
+    if given:
+        raise UsageError(given[0], getattr(args, given[0][2:].replace("-", "_"), True),
+                         "no model flag with --adapter (it configures a model, not a real system)")
+    check_output_path(args.out, "--out")
+    started = time.perf_counter()
+    with _status(console, args, f"starting {args.adapter}"):
+        adapter = load_adapter(args.adapter)
+    startup = time.perf_counter() - started
+    try:
+        state = {"text": ""}
+
+        def progress(examples: int, steps: int, failures: int) -> None:
+            state["text"] = (f"fuzzing {adapter.name}: {examples}/{args.examples} examples, {steps} steps, "
+                             f"{failures} violation(s)")
+
+        with _status(console, args, lambda: state["text"] or f"fuzzing {adapter.name}"):
+            result = fuzz_adapter(adapter, examples=args.examples, steps=args.steps or ADAPTER_STEPS, seed=args.seed,
+                                  out=args.out, startup_seconds=startup, progress=progress)
+    finally:
+        adapter.close()
+    return print_result(result, args.json, lambda: _report_adapter(console, result))
+
+
+@contextlib.contextmanager
+def _status(console: Any, args: argparse.Namespace, text: Any) -> Any:
+    """A live status line on standard error (only on a terminal); ``text`` is
+    a string or a function returning one."""
+    if args.json or not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    line = text if callable(text) else (lambda: text)
+    with Console(stderr=True).status(line()) as status:
+        import threading
+
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.wait(0.2):
+                status.update(line())
+
+        thread = threading.Thread(target=tick, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+
+def _report_adapter(console: Any, result: Any) -> None:
+    from rich.table import Table
+
+    d = result.to_dict()
+    verdict = "[green]ok[/]" if d["ok"] else "[red]VIOLATION[/]"
+    table = Table(title=f"pdproto fuzz --adapter {esc(d['adapter'])}: {verdict}", show_header=False)
+    for key in ("examples", "runs", "steps", "seconds", "startup_seconds", "examples_per_second",
+                "steps_per_second", "signatures", "seed"):
+        if d.get(key) is not None:
+            table.add_row(key.replace("_", " "), str(d[key]))
+    table.add_row("action kinds", ", ".join(f"{k} {n}" for k, n in d["action_kinds"].items()) or "-")
+    console.print(table)
+    for f in result.failures:
+        v = f.violation
+        console.print(f"[red]{esc(v.invariant)}[/] at history line {v.line} after {len(f.steps)} steps: "
+                      f"{esc(v.message)}", markup=True)
+        console.print("  steps: " + esc(", ".join(str(a) + ("*" if a.fault else "") for a, _ in f.steps)))
+        if f.known:
+            console.print(f"  [yellow]known behaviour[/]: {esc(f.known)}", markup=True)
+        else:
+            console.print("  [red]not explained by the adapter's triage[/]", markup=True)
+        if f.history:
+            console.print(f"  history written to {esc(f.history)}: pdproto audit {esc(f.history)}")

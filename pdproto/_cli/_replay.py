@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .._errors import UsageError
 from ..drivers._replay import ReplayResult, level, replay
 from ..spec._history import MAX_LINE_BYTES, POLICIES
 from ..spec._monitor import INVARIANTS
@@ -66,10 +67,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch intra-op threads during the replay (default 1: per-block work is small)")
     p.add_argument("--max-line-bytes", type=positive_int, default=MAX_LINE_BYTES, metavar="N",
                    help=f"longest history line accepted, in bytes (default {MAX_LINE_BYTES:,})")
+    p.add_argument("--adapter", metavar="NAME",
+                   help="instead of KV buffers, re-enact the history's decisions on a real system "
+                   "(vllm, vllm:push, model:NAME, module:attribute; docs/adapters.md) and report where "
+                   "it did something the history did not, or refused something the history did")
     p.set_defaults(run=run)
 
 
+#: replay flags that configure the KV buffers, and so mean nothing with --adapter
+KV_ONLY = ("dtype", "scale", "layout", "tp", "layers", "kv_heads", "head_dim", "block_size", "max_memory")
+
+
 def run(args: argparse.Namespace, console: Any) -> int:
+    if args.adapter is not None:
+        return run_adapter(args, console)
     skip = [s.strip() for s in args.skip.split(",") if s.strip()]
     result = replay(
         args.file, device=args.device, dtype=args.dtype, tp=args.tp, layers=args.layers,
@@ -100,6 +111,41 @@ def _print_report(console: Any, path: str, result: ReplayResult) -> None:
         console.print("[green]ok[/]: no invariant violated, every byte decode read was right")
         return
     print_violations(console, violations, level)
+
+
+def run_adapter(args: argparse.Namespace, console: Any) -> int:
+    """``pdproto replay HISTORY --adapter NAME``: re-enact it on a real system."""
+    from ..drivers._adapter import load_adapter
+    from ..drivers._adapter_replay import replay_on_adapter
+
+    given = [k for k in KV_ONLY if getattr(args, k) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(flag, getattr(args, given[0]), "no KV buffer flag with --adapter")
+    if args.file == "-":
+        raise UsageError("FILE", "-", "a history file with --adapter (it is read before the engine starts)")
+    options = {"policy": args.policy} if args.policy and args.adapter.startswith("model:") else {}
+    adapter = load_adapter(args.adapter, **options)
+    try:
+        result = replay_on_adapter(args.file, adapter)
+    finally:
+        adapter.close()
+    return print_result(result, args.json, lambda: _print_adapter_report(console, result))
+
+
+def _print_adapter_report(console: Any, result: Any) -> None:
+    console.print(
+        f"[bold]{esc(result.history)}[/] re-enacted on {esc(result.adapter)}: {result.matched} of "
+        f"{result.events} events matched, {result.actions} actions applied",
+        markup=True,
+    )
+    for d in result.divergences:
+        console.print(f"  line {d.line}: [red]{d.kind}[/]: {esc(d.message)}", markup=True)
+    if result.violations:
+        console.print("the engine's own events broke:")
+        print_violations(console, result.violations, level)
+    if result.ok:
+        console.print("[green]ok[/]: the engine did exactly what the history records, and broke no invariant")
 
 
 __all__ = ["add_parser", "run", "replay", "INVARIANTS"]

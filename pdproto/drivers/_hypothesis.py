@@ -66,6 +66,16 @@ class Draws:
                 self._refused()
         return self.data.draw(st.integers(lo, hi), label=label)
 
+    def boolean(self, p_true: float, label: str) -> bool:
+        """True with probability about ``p_true`` when fresh (shrinks toward
+        False)."""
+        if self.cd is not None:
+            try:
+                return bool(self.cd.draw_boolean(p_true))
+            except (AttributeError, TypeError):
+                self._refused()
+        return self.data.draw(st.integers(0, 999), label=label) < round(p_true * 1000)
+
     def override(self, n: int, one_in: int) -> int:
         """0 (about ``one_in - 1`` times in ``one_in`` when fresh: let the
         walk choose), or ``1..n``: the caller's option ``i - 1``.  Shrinks
