@@ -18,47 +18,56 @@ What it records, and from which hook (observe, never invent: every event is
 a real block table change in the scheduler's block pool, a real request
 status, or a real connector metadata entry):
 
-========================================  =====================================
-hook                                       events
-========================================  =====================================
-``on_new_request`` (P)                     ``submit``
-``update_state_after_alloc`` (P)           ``share`` (local prefix hit), ``prefill_start``
-``update_state_after_alloc`` (D, remote)   ``share`` (local prefix hit), ``reserve``
-``build_connector_meta`` (D)               ``transfer_start`` (``reqs_to_recv``),
-                                           ``commit`` (first scheduling after the
-                                           receive), the decode step's position
-``request_finished`` (P, stopped/length)   ``prefill_done``
-``request_finished`` (abort / error)       ``cancel`` / ``fail``
-``request_finished`` (D, stopped/length)   ``decode`` (last), ``finish``
-``update_connector_output`` (D)            ``transfer_read_done`` + ``transfer_write_done``
-                                           (``finished_recving``), ``transfer_failed``
-                                           (``failed_recving`` or ``invalid_block_ids``)
-every hook, first                          ``free`` / ``alloc``: the request's real
-                                           block table (group 0) compared with what was
-                                           recorded; ``decode`` once its token is sampled
-========================================  =====================================
+==================================  ===========================================
+hook                                 events
+==================================  ===========================================
+``on_new_request`` (P)               ``submit``
+``update_state_after_alloc`` (P)     ``share`` (a local prefix hit), ``prefill_start``
+``update_state_after_alloc`` (D)     ``share`` (a local prefix hit), ``reserve``
+                                     (only for a remote prefill with KV to load)
+``build_connector_meta`` (D)         ``transfer_start`` (an entry of ``reqs_to_recv``
+                                     with blocks), ``commit`` (the request scheduled
+                                     after its receive), the position of each step
+``request_finished`` (P)             ``prefill_done`` (stopped / length), ``cancel``
+                                     (aborted), ``fail`` (other endings)
+``request_finished`` (D)             the last ``decode``, ``finish`` / ``cancel`` / ``fail``
+``update_connector_output`` (D)      ``transfer_read_done`` + ``transfer_write_done``
+                                     (``finished_recving``), ``transfer_failed``
+                                     (``failed_recving`` or ``invalid_block_ids``)
+``update_connector_output`` (P)      ``transfer_read_done`` with ``"if_started": true``
+                                     (``finished_sending`` before the lease deadline:
+                                     D's notification that it no longer reads)
+every hook, ``take_events``,         ``free`` / ``alloc``: each request's real block
+``shutdown``                         table (KV cache group 0) against what was
+                                     recorded; ``decode`` once its token is sampled
+==================================  ===========================================
 
-What a hook-level recorder cannot see, and how it shows:
+Each event carries ``"t"``, the wall-clock time in ms.
 
-- It writes one file per engine; the P/D pair is judged on their merge
-  (:func:`merge_histories`, ordered by each event's ``"t"``, wall-clock ms).
-  Across hosts that order is only as good as the clocks.
-- A free happens right after a hook returns; it is seen in the block table
-  at the next hook: the frees of ``finished_sending`` / ``finished_recving``
-  at ``take_events`` (the scheduler's last call in ``update_from_output``),
-  an abort's at the engine's next step (or at shutdown).
-- Transfer completions come from D's scheduler (``finished_recving``), one
-  step after the worker saw them; the data plane itself is not observed.
-- The lease, the heartbeats and the P worker's reason for ``finished_sending``
-  (D's notification or an expired lease) are not visible: only the free.
-- After a failed receive vLLM may recompute the prompt on D; pdproto has no
-  event for that, so no commit and no decode are recorded for that
-  generation (its finish and frees are).
+What a hook-level recorder cannot see (docs/adapters/vllm-recording.md says
+more):
+
+- It writes one file per engine; the pair is judged on their merge
+  (:func:`merge_histories`, ordered by ``"t"``: across hosts only as good as
+  the clocks).  Audit the merge, not a file alone.
+- The data plane: a read's end is known to D's scheduler one step after the
+  worker saw it, and to P through D's notification (``finished_sending``
+  before the lease deadline).  P cannot tell a notification from an expired
+  lease after the deadline (the heartbeats renew it in the workers): a read
+  that ends within a step of the deadline is then reported as
+  ``early-source-free`` though it finished first (a known false alarm).
+- A free is seen at the engine's next hook (``take_events`` closes every
+  step); an abort's free at the next step or at shutdown.
+- An engine's death: its file just stops.  A second file of the same engine
+  id is taken as a restart; the generations that died with the engine get no
+  ending, so a complete merge reports them ``stuck``.
+- After a failed receive vLLM may recompute the prompt on D: no commit and no
+  decode are recorded for that generation (its ending and frees are).
 - Only KV cache group 0 (the full-attention group) is recorded.
-- Every file's header says ``"complete": false`` (a live deployment never
-  knows it went quiet); :func:`merge_histories` can set it for a drained run.
-- The push family pairs blocks in the workers, out of the scheduler's sight,
-  so it is refused (``pdproto_inner`` must name a pull NIXL connector).
+- Each file says ``"complete": false``; :func:`merge_histories` sets it only
+  when asked (a drained run).
+- The push family pairs blocks in the workers, out of the scheduler's sight:
+  it is refused (``pdproto_inner`` must name a pull NIXL connector).
 """
 
 from __future__ import annotations
