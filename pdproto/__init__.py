@@ -34,6 +34,11 @@ from .drivers import fuzz as fuzz
 from .drivers import FuzzResult as FuzzResult
 from .drivers import list_models as list_models
 from .drivers import load_model as load_model
+from .drivers import Adapter as Adapter
+from .drivers import ModelAdapter as ModelAdapter
+from .drivers import load_adapter as load_adapter
+from .drivers import fuzz_adapter as fuzz_adapter
+from .drivers import replay_on_adapter as replay_on_adapter
 from .protocol import FAULT_KINDS as FAULT_KINDS
 from .protocol import Action as Action
 from .protocol import ActionNotEnabled as ActionNotEnabled
@@ -153,6 +158,11 @@ __all__ = [
     "load_model",
     "list_models",
     "ModelInfo",
+    "Adapter",
+    "ModelAdapter",
+    "load_adapter",
+    "fuzz_adapter",
+    "replay_on_adapter",
     # the torch backend (loaded on first use)
     "TorchBackend",
     "KVCorruption",

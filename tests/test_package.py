@@ -88,6 +88,7 @@ PUBLIC = {
     # the drivers
     "explore", "ExploreResult", "Counterexample", "Step", "audit", "AuditResult", "replay",
     "ReplayResult", "fuzz", "FuzzResult", "load_model", "list_models", "ModelInfo",
+    "Adapter", "ModelAdapter", "load_adapter", "fuzz_adapter", "replay_on_adapter",
     # the torch backend, loaded on first use
     "TorchBackend", "KVCorruption", "KV_CORRUPTION",
 }

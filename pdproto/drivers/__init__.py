@@ -1,5 +1,6 @@
-"""The drivers: explore a model exhaustively, load models from the catalogue.
-They feed every event a model emits to the monitor."""
+"""The drivers: explore a model exhaustively, fuzz it, load models from the
+catalogue, and drive real systems through adapters (docs/adapters.md).
+They feed every event a model or a real system emits to the monitor."""
 
 from ._explore import Step as Step
 from ._explore import Counterexample as Counterexample
@@ -21,6 +22,15 @@ from ._fuzz import FuzzResult as FuzzResult
 from ._fuzz import FuzzStats as FuzzStats
 from ._fuzz import HandoffFailure as HandoffFailure
 from ._fuzz import reachable_states as reachable_states
+from ._adapter import Adapter as Adapter
+from ._adapter import ModelAdapter as ModelAdapter
+from ._adapter import load_adapter as load_adapter
+from ._adapter_fuzz import fuzz_adapter as fuzz_adapter
+from ._adapter_fuzz import AdapterFuzzResult as AdapterFuzzResult
+from ._adapter_fuzz import AdapterFailure as AdapterFailure
+from ._adapter_replay import replay_on_adapter as replay_on_adapter
+from ._adapter_replay import AdapterReplayResult as AdapterReplayResult
+from ._adapter_replay import Divergence as Divergence
 
 __all__ = [
     "Step",
@@ -43,4 +53,13 @@ __all__ = [
     "FuzzStats",
     "HandoffFailure",
     "reachable_states",
+    "Adapter",
+    "ModelAdapter",
+    "load_adapter",
+    "fuzz_adapter",
+    "AdapterFuzzResult",
+    "AdapterFailure",
+    "replay_on_adapter",
+    "AdapterReplayResult",
+    "Divergence",
 ]
