@@ -325,13 +325,15 @@ class ModelBackend:
     violations the event made visible (``kv-corruption`` and
     ``logit-divergence``), ``finish()`` those of the end of the history;
     ``violations`` accumulates them, ``seconds`` times the model's work
-    (``prefill``, ``decode``, ``reference``)."""
+    (``prefill``, ``decode``, ``reference``).  ``threads``: torch's intra-op
+    threads while the model runs (restored after; None leaves them): 1 by
+    default, since a tiny model's steps are too small to share."""
 
     def __init__(self, header: HistoryHeader | None = None, *, model: str | LoadedModel = "tiny-llama",
                  device: str = "cpu", dtype: str | None = None, tp: tuple[int, int] | str | None = None,
                  head_dim: int | None = None, block_size: int | None = None, scale: str | None = None,
                  layout: str | None = None, max_memory: int | None = _tb.DEFAULT_MAX_MEMORY,
-                 boundary: str | None = None) -> None:
+                 boundary: str | None = None, threads: int | None = 1) -> None:
         header = header if header is not None else HistoryHeader()
         m = model if isinstance(model, LoadedModel) else load_model(model)
         kv = getattr(header, "kv", None) if getattr(header, "version", 1) != 1 else None
@@ -351,6 +353,9 @@ class ModelBackend:
                           block_size=block_size, layout="mha", max_memory=max_memory)
         if next(m.model.parameters()).device != self.device:
             m.model.to(self.device)
+        if threads is not None and (type(threads) is not int or threads < 1):
+            raise UsageError("threads", threads, "an integer >= 1, or None")
+        self.threads = threads
         self.violations: list[Violation] = []
         self.line = 0
         self.events = 0
@@ -379,11 +384,15 @@ class ModelBackend:
         line = self.line
         out: list[Violation] = []
         kind = type(event)
-        if kind is PrefillDone:
-            self._prefill(event, line)
-            out.extend(self.tags.apply(event, line))
-        elif kind is Decode:
-            found = self._decode(event, line)
+        if kind is PrefillDone or kind is Decode:
+            before = torch.get_num_threads()
+            if self.threads is not None and before != self.threads:
+                torch.set_num_threads(self.threads)  # small steps: waking more threads costs more than it gains
+            try:
+                found = self._prefill(event, line) if kind is PrefillDone else self._decode(event, line)
+            finally:
+                if self.threads is not None and before != self.threads:
+                    torch.set_num_threads(before)
             out.extend(self.tags.apply(event, line))
             self.tags.recompute_at = None
             if found is not None:

@@ -69,7 +69,10 @@ def load_model_backend() -> Any:
 
 def model_backend_factory(model: Any = "tiny-llama", **options: Any) -> Callable[[Any], Any]:
     """``factory(header) -> ModelBackend(header, model=model, **options)``
-    (for :func:`pdproto.fuzz`); loads the model now, once."""
+    (for :func:`pdproto.fuzz`; ``lambda: factory(header)`` for
+    :func:`pdproto.explore`); loads the model now, once.  The options are
+    :class:`~pdproto.backends._transformer.ModelBackend`'s (``tp``,
+    ``threads``, ``boundary``, ...)."""
     mb = load_model_backend()
     loaded = mb.load_model(model) if isinstance(model, str) else model
 
@@ -192,7 +195,7 @@ def replay(
         torch.set_num_threads(threads)
     try:
         return _replay(tb, path, device, dtype, tp, layers, kv_heads, head_dim, block_size, layout, scale,
-                       policy, complete, skipped, max_line_bytes, max_memory, mb, model)
+                       policy, complete, skipped, max_line_bytes, max_memory, mb, model, threads)
     finally:
         if threads is not None:
             torch.set_num_threads(before)
@@ -201,14 +204,16 @@ def replay(
 def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | None, tp: str | None,
             layers: int | None, kv_heads: int | None, head_dim: int | None, block_size: int | None,
             layout: str | None, scale: str | None, policy: str | None, complete: bool, skipped: Any,
-            max_line_bytes: int, max_memory: int | None, mb: Any = None, model: Any = None) -> ReplayResult:
+            max_line_bytes: int, max_memory: int | None, mb: Any = None, model: Any = None,
+            threads: int | None = 1) -> ReplayResult:
     with open_history(os.fspath(path), max_line_bytes=max_line_bytes) as reader:
         monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
         limit = {} if max_memory is None else {"max_memory": max_memory}  # default: the backend's
         if mb is not None:
             backend = mb.ModelBackend(reader.header, model=model, device=device, dtype=dtype,
                                       tp=None if tp is None else tb.parse_tp(tp), head_dim=head_dim,
-                                      block_size=block_size, layout=layout, scale=scale, **limit)
+                                      block_size=block_size, layout=layout, scale=scale, threads=threads,
+                                      **limit)
         else:
             backend = tb.TorchBackend(reader.header, device=device, dtype=dtype,
                                       tp=None if tp is None else tb.parse_tp(tp), layers=layers,
