@@ -442,14 +442,14 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
             v = res["violation"]
             console.print(Text(f"  {v['invariant']}: request {v['request']} at t = {v['time_s']:.6f} s: {v['message']}",
                                style="bold red"))
-        sig = Table(title="Section 06 signals (PD)", title_justify="left")
-        for col in ("signal", "fired", "evidence", "direction"):
-            sig.add_column(col)
-        for s in r["signals"]:
-            ev = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["evidence"].items())
-            sig.add_row(s["signal"], "YES" if s["fired"] else "no", esc(ev) if s["fired"] else "", esc(s["direction"])
-                        if s["fired"] else "")
-        console.print(sig)
+        console.print(Text("  Section 06 signals (PD):", style="bold"))
+        for sg in r["signals"]:
+            if sg["fired"]:
+                ev = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in sg["evidence"].items())
+                console.print(Text(f"    YES {sg['signal']}: {ev}", style="bold"))
+                console.print(f"        -> {esc(sg['direction'])}")
+            else:
+                console.print(f"    no  {sg['signal']}")
     v = _verdict(runs)
     if v is not None and len(runs) > 1:
         extra = "; ".join(f"PD/{k[6:]} = {x:.2f}×" for k, x in v.items() if k.startswith("pd_vs_") and x is not None)
