@@ -26,16 +26,16 @@ from pdproto.sim._workload import Lengths, WorkloadSpec, make_workload
 TARGET = 2500.0
 
 
-def measure(n: int, cfg: SimConfig, monitor: bool, rate: float) -> tuple[float, float, object]:
+def measure(n: int, cfg: SimConfig, monitor: bool, rate: float) -> tuple[float, float, object, float]:
     spec = WorkloadSpec.poisson(rate, Lengths.lognormal(900, 0.6, 16, 16_000), Lengths.lognormal(160, 0.6, 1, 4000))
     reqs = list(make_workload(spec, n, seed=1))  # drawn first: the figure is the engine's
     m = Metrics(cfg.label(), devices=cfg.used_devices, weight_copies=cfg.weight_copies)
     gc.collect()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     res = simulate(reqs, cfg, metrics=m, monitor=monitor)
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
     assert res.ok, res.violation
-    return n / wall, wall, res
+    return n / wall, wall, res, n / cpu
 
 
 def main() -> None:
@@ -46,14 +46,17 @@ def main() -> None:
     args = ap.parse_args()
     n = args.requests or (1000 if args.quick else 10_000)
     pd = SimConfig(arm="pd", n_p=2, n_d=2, devices=4)
-    speed, wall, res = measure(n, pd, True, args.rate)
-    print(f"PD 2P2D, monitor on : {speed:8,.0f} simulated requests / wall s  ({n:,} requests in {wall:.2f} s, "
-          f"{res.events:,} events judged, {res.duration:,.0f} simulated s = {res.duration / wall:,.0f}x real time)")
-    speed_off, wall_off, _ = measure(n, pd, False, args.rate)
-    print(f"PD 2P2D, monitor off: {speed_off:8,.0f} simulated requests / wall s  ({wall_off:.2f} s)")
+    speed, wall, res, cpu = measure(n, pd, True, args.rate)
+    print(f"PD 2P2D, monitor on : {speed:8,.0f} simulated requests / wall s, {cpu:8,.0f} / CPU s  ({n:,} requests in "
+          f"{wall:.2f} s, {res.events:,} events judged, {res.duration:,.0f} simulated s = {res.duration / wall:,.0f}x "
+          f"real time)")
+    speed_off, wall_off, _, cpu_off = measure(n, pd, False, args.rate)
+    print(f"PD 2P2D, monitor off: {speed_off:8,.0f} simulated requests / wall s, {cpu_off:8,.0f} / CPU s  "
+          f"({wall_off:.2f} s)")
     for arm in ("colocated", "chunked"):
-        s, w, _ = measure(n, SimConfig(arm=arm, devices=4), False, args.rate)
-        print(f"{arm:9} 4 devices   : {s:8,.0f} simulated requests / wall s  ({w:.2f} s)")
+        s, w, _, c = measure(n, SimConfig(arm=arm, devices=4), False, args.rate)
+        print(f"{arm:9} 4 devices   : {s:8,.0f} simulated requests / wall s, {c:8,.0f} / CPU s  ({w:.2f} s)")
+    print("(wall and CPU differ when other processes share the cores; the target is wall time on an idle machine)")
     verdict = "meets" if speed >= TARGET else "MISSES"
     print(f"target {TARGET:,.0f} req/s (PD, monitor on, 10,000 requests): {verdict} it")
 
