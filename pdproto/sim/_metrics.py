@@ -3,10 +3,11 @@
 The engine hands one :class:`RequestRecord` per request to a :class:`Metrics`
 (``add``), and reports its pools and devices through the same object
 (``gauge``, ``busy``, ``transfer``, ``count``); ``summary`` turns it all into
-one JSON-ready dict.  Memory is bounded: a few floats per request, the
-inter-token gaps folded into a count per distinct value (exact while there
-are at most ``itl_exact_limit`` distinct gaps, then a log-spaced histogram of
-relative error 0.1%), gauges folded into running integrals plus at most
+one JSON-ready dict.  Memory is bounded: a few floats per request; every
+inter-token gap while there are at most ``itl_exact_limit`` (250,000 by
+default, 2 MB), then a uniform sample of at most that many (so the ITL percentiles
+of a longer run are estimates, marked ``"approx": true``; ITL count, mean
+and max stay exact); gauges folded into running integrals plus at most
 ``series_points`` samples for plots.
 
 Definitions (vLLM ``vllm bench serve``, ``calculate_metrics``), all from the
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import math
 import operator
+import random
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -248,90 +250,71 @@ def stats(values: Iterable[float], scale: float = 1000.0) -> dict[str, float | i
     return out
 
 
-class _Histogram:
-    """Counts of values: exact per distinct value up to ``limit`` values, then
-    log-spaced bins of relative width 2·``error`` (values <= 0 kept exactly)."""
+class _Gaps:
+    """Every inter-token gap while there are at most ``limit``, then a uniform
+    sample: each gap kept with probability 1/``stride`` (a request's gaps from
+    a random offset, every ``stride``-th; when the sample outgrows ``limit``
+    every other one is dropped and ``stride`` doubles).  The work per request
+    is one slice, not a Python step per gap.  Count, mean and max stay exact."""
 
-    __slots__ = ("counts", "limit", "exact", "_gamma", "_log_gamma", "total", "n")
+    __slots__ = ("limit", "values", "seen", "total", "top", "stride", "_rng", "_sorted")
 
-    def __init__(self, limit: int = 200_000, error: float = 1e-3) -> None:
-        self.counts: Counter[float] = Counter()
-        self.limit = limit
-        self.exact = True
-        self._gamma = (1 + error) / (1 - error)
-        self._log_gamma = math.log(self._gamma)
+    def __init__(self, limit: int = 250_000, seed: int = 0) -> None:
+        self.limit = max(2, limit)
+        self.values = array("d")
+        self.seen = 0
         self.total = 0.0
-        self.n = 0
+        self.top = 0.0
+        self.stride = 1
+        self._rng = random.Random(seed)
+        self._sorted: list[float] | None = None
 
-    def add_many(self, values: Sequence[float], total: float) -> None:
-        """Count ``values``, whose sum is ``total``."""
-        if not values:
-            return
+    @property
+    def exact(self) -> bool:
+        return self.stride == 1
+
+    def add(self, gaps: list[float], total: float, top: float) -> None:
+        """Fold in one request's ``gaps`` (their sum ``total``, their max ``top``)."""
+        self.seen += len(gaps)
         self.total += total
-        self.n += len(values)
-        if self.exact:
-            self.counts.update(values)
-            if len(self.counts) > self.limit:
-                self._coarsen()
+        if top > self.top:
+            self.top = top
+        self._sorted = None
+        stride = self.stride
+        if stride == 1:
+            self.values.extend(gaps)
         else:
-            self.counts.update(map(self._bin, values))
+            self.values.extend(gaps[self._rng.randrange(stride)::stride])
+        if len(self.values) > self.limit:
+            self.values = self.values[self._rng.randrange(2)::2]
+            self.stride = stride * 2
 
-    def _bin(self, v: float) -> float:
-        if v <= 0:
-            return v
-        k = math.ceil(math.log(v) / self._log_gamma)
-        return 2 * self._gamma**k / (self._gamma + 1)  # the bin's midpoint
-
-    def _coarsen(self) -> None:
-        old = self.counts
-        self.counts = Counter()
-        for v, c in old.items():
-            self.counts[self._bin(v)] += c
-        self.exact = False
+    def ordered(self) -> list[float]:
+        if self._sorted is None:
+            self._sorted = sorted(self.values)
+        return self._sorted
 
     def stats(self, scale: float = 1000.0) -> dict[str, float | int]:
-        n = self.n
-        if n == 0:
+        if self.seen == 0:
             return stats((), scale)
-        keys = sorted(self.counts)
-        cum = []
-        acc = 0
-        for k in keys:
-            acc += self.counts[k]
-            cum.append(acc)
-        mean = self.total / n
-        var = math.fsum(c * (k - mean) ** 2 for k, c in self.counts.items()) / n
-
-        def at(i: int) -> float:  # the i-th smallest value (0-based)
-            lo, hi = 0, len(cum) - 1
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if cum[mid] > i:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            return keys[lo]
-
-        out: dict[str, float | int] = {"count": n, "mean": mean * scale, "std": math.sqrt(var) * scale}
+        ordered = self.ordered()
+        n = len(ordered)
+        sample_mean = math.fsum(ordered) / n
+        var = math.fsum((v - sample_mean) ** 2 for v in ordered) / n
+        out: dict[str, float | int] = {"count": self.seen, "mean": self.total / self.seen * scale,
+                                       "std": math.sqrt(var) * scale}
         for q in PERCENTILES:
-            h = (n - 1) * q / 100.0
-            lo = int(h)
-            a = at(lo)
-            v = a if lo + 1 >= n else a + (h - lo) * (at(lo + 1) - a)
-            out["median" if q == 50 else f"p{q}"] = v * scale
-        out["max"] = keys[-1] * scale
+            out["median" if q == 50 else f"p{q}"] = percentile(ordered, q) * scale
+        out["max"] = self.top * scale
         if not self.exact:
             out["approx"] = True
         return out
 
     def cdf(self) -> tuple[list[float], list[float]]:
         """(sorted values, cumulative share) for a CDF plot."""
-        keys = sorted(self.counts)
-        out, acc = [], 0
-        for k in keys:
-            acc += self.counts[k]
-            out.append(acc / self.n)
-        return keys, out
+        ordered = self.ordered()
+        n = len(ordered)
+        return list(ordered), [(i + 1) / n for i in range(n)]
 
 
 # -- gauges ----------------------------------------------------------------------------------
@@ -417,8 +400,9 @@ class Metrics:
             N_D instances of TP 1 holds N_P + N_D copies).
         keep_records: keep the first this many records whole (for the
             timeline plot); the rest are folded away.
-        itl_exact_limit: distinct ITL values kept exactly before the ITL
-            histogram turns approximate (0.1% relative).
+        itl_exact_limit: inter-token gaps kept exactly; beyond, a uniform
+            sample of at most that many (ITL percentiles then estimated from it,
+            marked ``"approx": true``; count, mean and max stay exact).
         series_points: samples each gauge keeps for plots.
 
     The engine calls :meth:`add` once per request, :meth:`gauge` for pool
@@ -428,7 +412,7 @@ class Metrics:
     """
 
     def __init__(self, arm: str = "", *, devices: int = 1, weight_copies: int = 1, keep_records: int = 0,
-                 itl_exact_limit: int = 200_000, series_points: int = 2000) -> None:
+                 itl_exact_limit: int = 250_000, series_points: int = 2000) -> None:
         self.arm = arm
         self.devices = devices
         self.weight_copies = weight_copies
@@ -442,7 +426,7 @@ class Metrics:
         self._multi = array("b")  # 1 when the request has >= 2 tokens
         self._first_gap = array("d")
         self._max_itl = array("d")
-        self._itl = _Histogram(itl_exact_limit)
+        self._itl = _Gaps(itl_exact_limit)
         self.requests = 0
         self.completed = 0
         self.rejected = 0
@@ -502,11 +486,12 @@ class Metrics:
         self._e2e_sum += e2e
         if n >= 2:
             gaps = list(map(_SUB, tt[1:], tt))
-            self._itl.add_many(gaps, tt[-1] - first)
+            top = max(gaps)
+            self._itl.add(gaps, tt[-1] - first, top)
             self._tpot.append((tt[-1] - first) / (n - 1))
             self._multi.append(1)
             self._first_gap.append(gaps[0])
-            self._max_itl.append(max(gaps))
+            self._max_itl.append(top)
         else:
             self._tpot.append(0.0)
             self._multi.append(0)
