@@ -97,24 +97,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noq
 
 from ..._errors import HistoryFormatError, UsageError  # noqa: E402
 from ...spec._events import (  # noqa: E402
-    Alloc,
-    Cancel,
-    Commit,
-    Decode,
-    Event,
-    Fail,
-    Finish,
-    Free,
-    PrefillDone,
-    PrefillStart,
-    Reserve,
-    Restart,
-    Share,
-    Submit,
-    TransferFailed,
-    TransferReadDone,
-    TransferStart,
-    TransferWriteDone,
+    Alloc, Cancel, Commit, Decode, Event, Fail, Finish, Free, PrefillDone, PrefillStart, Reserve,
+    Restart, Share, Submit, TransferFailed, TransferReadDone, TransferStart, TransferWriteDone,
 )
 from ...spec._history import HistoryHeader, HistoryWriter, KVSpec, WorkerSpec, open_history  # noqa: E402
 
@@ -174,7 +158,7 @@ class _Gen:
 
     __slots__ = (
         "request", "key", "side", "table", "ticket", "transfer", "xfer",
-        "invalid", "committed", "pending", "ended", "hit", "allocated", "deadline",
+        "invalid", "committed", "pending", "ended", "hit", "allocated", "deadline", "raw", "raw_len",
     )
 
     def __init__(self, request: Any, key: str, side: str) -> None:
@@ -192,6 +176,8 @@ class _Gen:
         self.hit = 0  # local prefix hit (tokens) the scheduler offered the connector
         self.allocated = False  # prefill_start / reserve recorded
         self.deadline: float | None = None  # P: the lease deadline NIXL set at request_finished
+        self.raw: Any = None  # the real pool's block list last seen, and its length
+        self.raw_len = 0
 
 
 class _Recorder:
@@ -227,11 +213,14 @@ class _Recorder:
             self._fh.close()
 
     # -- observing the block pool -------------------------------------------
-    def real_table(self, req_id: str) -> list[int]:
+    def _blocks(self, req_id: str) -> Any:
+        """The real pool's block list of ``req_id`` (KV cache group 0), or None."""
         if self.manager is None:
-            return []
-        managers = self.manager.coordinator.single_type_managers
-        blocks = managers[0].req_to_blocks.get(req_id) or ()
+            return None
+        return self.manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id)
+
+    def real_table(self, req_id: str) -> list[int]:
+        blocks = self._blocks(req_id) or ()
         return [b.block_id for b in blocks if not getattr(b, "is_null", False)]
 
     def sync(self) -> None:
@@ -243,20 +232,29 @@ class _Recorder:
         for req_id, g in list(self.gens.items()):
             if not g.allocated:
                 continue
+            raw = self._blocks(req_id)
+            # group 0 (full attention) only grows at its end or goes as a whole:
+            # the same list at the same length is the same table
+            if raw is not None and raw is g.raw and len(raw) == g.raw_len:
+                continue
+            g.raw, g.raw_len = raw, len(raw) if raw is not None else 0
             real = self.real_table(req_id)
             if real != g.table:
                 changes.append((g, real))
         for g, real in changes:
-            gone = [b for b in g.table if b not in real]
+            keep = set(real)
+            gone = [b for b in g.table if b not in keep]
             if gone:
                 self.emit(Free, worker=self.worker, blocks=gone, request=g.key, gen=0)
         for g, real in changes:
-            new = [b for b in real if b not in g.table]
+            had = set(g.table)
+            new = [b for b in real if b not in had]
             if new:
                 self.emit(Alloc, request=g.key, gen=0, worker=self.worker, blocks=new)
             g.table = real
         for req_id, g in list(self.gens.items()):
-            self.flush_decodes(g)
+            if g.pending:
+                self.flush_decodes(g)
             if g.ended and not g.table:
                 del self.gens[req_id]
 
@@ -305,6 +303,8 @@ class _Recorder:
             g.ticket = f"t-{request.request_id}"
             self.emit(Reserve, request=g.key, gen=0, ticket=g.ticket, worker=self.worker, blocks=rest)
         g.table = real
+        g.raw = self._blocks(request.request_id)
+        g.raw_len = len(g.raw) if g.raw is not None else 0
         g.allocated = True
 
     def meta(self, scheduler_output: Any, meta: Any) -> None:
