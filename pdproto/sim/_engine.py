@@ -1258,7 +1258,9 @@ class _Sim:
 
     def egress_done(self, eg: _Egress) -> None:
         self.advance(eg)
-        tol = 1.0  # bytes
+        # done: what is left is under a byte, or would take under a nanosecond (a time step
+        # the clock may not resolve: without this a very fast link could loop on one instant)
+        tol = max(1.0, eg.bw * 1e-9 / max(1, len(eg.active)))
         for r in [r for r, left in eg.active.items() if left <= tol]:
             del eg.active[r]
             self.landed(r)
