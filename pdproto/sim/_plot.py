@@ -37,6 +37,14 @@ SUFFIXES = (".png", ".svg", ".pdf")
 PALETTE = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d")
 
 
+def _begin(path: str | pathlib.Path, items: object, what: str, allowed: str) -> tuple[pathlib.Path, Any]:
+    """The target path and pyplot, after checking that ``items`` (the ``what`` to draw) is not empty."""
+    if not items:
+        raise UsageError(what, items, allowed)
+    target = pathlib.Path(path)
+    return target, _pyplot(target)
+
+
 def _pyplot(path: pathlib.Path) -> Any:
     if path.suffix.lower() not in SUFFIXES:
         raise UsageError("--plot", str(path), f"a file name ending in {', '.join(SUFFIXES)}")
@@ -77,14 +85,11 @@ def plot_cdfs(
         UsageError: no arm, an unknown metric, a bad suffix.
         MissingExtraError: matplotlib is not installed.
     """
-    target = pathlib.Path(path)
-    if not arms:
-        raise UsageError("arms", {}, "at least one arm's Metrics")
     allowed = ("ttft", "itl", "tpot", "e2e", "first_gap")
     for name in metrics:
         if name not in allowed:
             raise UsageError("metric", name, f"one of {', '.join(allowed)}")
-    plt = _pyplot(target)
+    target, plt = _begin(path, arms, "arms", "at least one arm's Metrics")
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 4.0), dpi=110, squeeze=False)
     for ax, name in zip(axes[0], metrics):
         for i, (arm, m) in enumerate(arms.items()):
@@ -121,10 +126,7 @@ def plot_goodput_vs_rate(
         UsageError: no curve, a bad suffix.
         MissingExtraError: matplotlib is not installed.
     """
-    target = pathlib.Path(path)
-    if not curves:
-        raise UsageError("curves", {}, "at least one arm's (rate, goodput) points")
-    plt = _pyplot(target)
+    target, plt = _begin(path, curves, "curves", "at least one arm's (rate, goodput) points")
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     for i, (arm, points) in enumerate(curves.items()):
         pts = sorted(points)
@@ -153,10 +155,7 @@ def plot_goodput_vs_ratio(
         UsageError: no point, a bad suffix.
         MissingExtraError: matplotlib is not installed.
     """
-    target = pathlib.Path(path)
-    if not points:
-        raise UsageError("points", [], "at least one (label, goodput) pair")
-    plt = _pyplot(target)
+    target, plt = _begin(path, points, "points", "at least one (label, goodput) pair")
     fig, ax = plt.subplots(figsize=(max(4.0, 0.8 * len(points) + 2), 4.0), dpi=110)
     labels = [p[0] for p in points]
     values = [p[1] for p in points]
@@ -189,10 +188,7 @@ def plot_occupancy(
         UsageError: no sample, a bad suffix.
         MissingExtraError: matplotlib is not installed.
     """
-    target = pathlib.Path(path)
-    if not samples:
-        raise UsageError("samples", [], "pool samples (run the simulation with sample_dt)")
-    plt = _pyplot(target)
+    target, plt = _begin(path, samples, "samples", "pool samples (run the simulation with sample_dt)")
     pools: dict[str, list[tuple[float, float, float, float]]] = {}
     for t, pool, q, kv, busy in samples:
         pools.setdefault(pool, []).append((t, q, kv, busy))
@@ -224,10 +220,7 @@ def plot_timeline(records: Sequence[RequestRecord], path: str | pathlib.Path, *,
         UsageError: no record, a bad suffix.
         MissingExtraError: matplotlib is not installed.
     """
-    target = pathlib.Path(path)
-    if not records:
-        raise UsageError("records", [], "at least one RequestRecord")
-    plt = _pyplot(target)
+    target, plt = _begin(path, records, "records", "at least one RequestRecord")
     t0 = min(r.arrival for r in records)
     fig, ax = plt.subplots(figsize=(9.0, 1.2 + 1.1 * len(records)), dpi=110)
     ms = lambda t: (t - t0) * 1000  # noqa: E731
