@@ -133,3 +133,12 @@ def test_plot_writes_the_pictures(tmp_path, capsys: pytest.CaptureFixture[str]) 
                             "timeline-colocated.png", "timeline-chunked.png", "timeline-pd.png"])
     assert sorted(pathlib.Path(p).name for p in data["plots"]) == names
     assert main(["simulate", *SMALL, "--plot", str(tmp_path / "missing")]) == 2
+
+
+def test_a_trace_replays_its_own_requests_and_rescales_to_a_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    trace = str(pathlib.Path(__file__).resolve().parent.parent / "pdproto" / "sim" / "traces" / "sample.jsonl")
+    code, data = run_json(capsys, "--trace", trace, "--arm", "pd")
+    assert code == 0 and data["workload"]["requests"] == 300 == data["runs"][0]["metrics"]["requests"]
+    code, faster = run_json(capsys, "--trace", trace, "--arm", "pd", "--rate", str(2 * data["workload"]["rate"]))
+    assert faster["workload"]["rate"] == pytest.approx(2 * data["workload"]["rate"])
+    assert faster["runs"][0]["result"]["duration_s"] < data["runs"][0]["result"]["duration_s"]

@@ -312,7 +312,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     plots = _plots(args.plot, runs, slo) if args.plot else []
     violation = next((r["result"]["violation"] for r in runs if r["result"]["violation"]), None)
     if args.json:
-        print_json({"workload": _describe_workload(spec, args), "slo_ms": slo.to_ms(), "target": args.target,
+        print_json({"workload": _describe_workload(spec, args, runs), "slo_ms": slo.to_ms(), "target": args.target,
                     "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
                     "verdict": _verdict(runs), "violation": violation, "plots": plots})
     else:
@@ -322,8 +322,10 @@ def run(args: argparse.Namespace, console: Any) -> int:
     return EXIT_VIOLATION if violation else EXIT_OK
 
 
-def _describe_workload(spec: Any, args: argparse.Namespace) -> dict[str, Any]:
-    return {"requests": args.requests, "rate": spec.rate, "arrival": spec.arrival.kind,
+def _describe_workload(spec: Any, args: argparse.Namespace, runs: list[dict[str, Any]] | None = None
+                       ) -> dict[str, Any]:
+    made = runs[0]["result"]["requests"] if runs else args.requests  # a trace may hold fewer
+    return {"requests": made, "rate": spec.rate, "arrival": spec.arrival.kind,
             "prompt": _dist(spec.prompt), "output": _dist(spec.output), "trace": spec.trace, "seed": args.seed}
 
 
@@ -375,7 +377,7 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
     from rich.table import Table
     from rich.text import Text
 
-    w = _describe_workload(spec, args)
+    w = _describe_workload(spec, args, runs)
     console.print(Text(f"pdproto simulate — {args.model} on {args.device}", style="bold"))
     console.print(f"  workload: {w['requests']:,} requests, {w['arrival']} arrivals at {_f(w['rate'], 2)} rps; prompt "
                   f"{_dist(spec.prompt)}, output {_dist(spec.output)}" + (f"; trace {esc(w['trace'])}" if w["trace"] else ""))
