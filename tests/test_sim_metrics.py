@@ -339,6 +339,8 @@ def test_plot_bad_input(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch)
         plot_cdfs(two_arms(), tmp_path / "x.png", metrics=("goodput",))
     with pytest.raises(UsageError, match="at least one"):
         plot_timeline([], tmp_path / "x.png")
+    with pytest.raises(UsageError, match="first_tokens"):
+        plot_timeline([record(0, 0.0, [0.1])], tmp_path / "x.png", first_tokens=1)
     with pytest.raises(UsageError, match=r"\.png"):
         plot_cdfs(two_arms(), tmp_path / "x.jpg")
     monkeypatch.setitem(sys.modules, "matplotlib", None)

@@ -103,7 +103,12 @@ def plot_cdfs(
         bound = getattr(slo, name) if slo is not None else None
         if bound is not None:
             ax.axvline(bound * 1000, color="#666", linestyle="--", linewidth=1, label=f"SLO {bound * 1000:g} ms")
-        ax.set_xlabel(f"{name.upper() if name != 'first_gap' else 'first gap'} (ms)")
+        lows = [ln.get_xdata()[0] for ln in ax.get_lines() if len(ln.get_xdata()) and ln.get_xdata()[0] > 0]
+        highs = [ln.get_xdata()[-1] for ln in ax.get_lines() if len(ln.get_xdata())]
+        wide = bool(lows and highs and max(highs) > 20 * min(lows))
+        if wide:
+            ax.set_xscale("log")
+        ax.set_xlabel(f"{name.upper() if name != 'first_gap' else 'first gap'} (ms{', log scale' if wide else ''})")
         ax.set_ylabel("share of " + ("gaps" if name == "itl" else "requests"))
         ax.set_ylim(0, 1.02)
         ax.grid(color="#eeeeee")
@@ -209,49 +214,57 @@ def plot_occupancy(
     return _save(plt, fig, target)
 
 
-def plot_timeline(records: Sequence[RequestRecord], path: str | pathlib.Path, *, title: str | None = None
-                  ) -> pathlib.Path:
+def plot_timeline(records: Sequence[RequestRecord], path: str | pathlib.Path, *, title: str | None = None,
+                  first_tokens: int = 8) -> pathlib.Path:
     """The seed's two-request timeline: one lane per record (any number, two
-    in the seed), time in ms from the first arrival.  Each lane shows the
-    wait from arrival to the first token, a marker per token, and labels
-    TTFT and the first generated gap.
+    in the seed), time in ms from the first arrival, up to each request's
+    ``first_tokens``-th token (the handoff and its first gaps; the rest of a
+    long decode would only crowd the picture).  Each lane shows the wait from
+    arrival to the first token, a numbered marker per token, and labels TTFT
+    and the first generated gap.
 
     Raises:
-        UsageError: no record, a bad suffix.
+        UsageError: no record, ``first_tokens`` < 2, a bad suffix.
         MissingExtraError: matplotlib is not installed.
     """
+    if type(first_tokens) is not int or first_tokens < 2:
+        raise UsageError("first_tokens", first_tokens, "an integer >= 2")
     target, plt = _begin(path, records, "records", "at least one RequestRecord")
     t0 = min(r.arrival for r in records)
-    fig, ax = plt.subplots(figsize=(9.0, 1.2 + 1.1 * len(records)), dpi=110)
+    fig, ax = plt.subplots(figsize=(9.0, 1.3 + 1.2 * len(records)), dpi=110)
     ms = lambda t: (t - t0) * 1000  # noqa: E731
+    right = 0.0
     for lane, r in enumerate(records):
         y = len(records) - lane
         colour = _colour(lane)
-        end = r.token_times[-1] if r.token_times else (r.finish or r.arrival)
+        tokens = r.token_times[:first_tokens]
+        end = tokens[-1] if tokens else (r.finish or r.arrival)
+        right = max(right, ms(end))
         first = r.first_token
         if first is not None:
-            ax.barh(y, ms(first) - ms(r.arrival), left=ms(r.arrival), height=0.35, color="#bdbdbd",
+            ax.barh(y, ms(first) - ms(r.arrival), left=ms(r.arrival), height=0.3, color="#bdbdbd",
                     edgecolor="white")
-            ax.text((ms(r.arrival) + ms(first)) / 2, y, f"TTFT {ms(first) - ms(r.arrival):.1f} ms",
-                    ha="center", va="center", fontsize=8)
-            ax.barh(y, ms(end) - ms(first), left=ms(first), height=0.12, color=colour)
-        for k, t in enumerate(r.token_times):
-            ax.plot([ms(t)], [y + 0.28], marker="v", color="black", markersize=6)
-            if k < 6:
-                ax.text(ms(t), y + 0.38, str(k + 1), ha="center", fontsize=7)
-        if len(r.token_times) >= 2:
-            a, b = r.token_times[0], r.token_times[1]
-            ax.annotate("", xy=(ms(a), y - 0.3), xytext=(ms(b), y - 0.3),
+            ax.text(ms(first), y + 0.2, f" TTFT {ms(first) - ms(r.arrival):.1f} ms", ha="right", va="bottom",
+                    fontsize=8)
+            ax.barh(y, ms(end) - ms(first), left=ms(first), height=0.1, color=colour)
+        for k, t in enumerate(tokens):
+            ax.plot([ms(t)], [y], marker="o", color="black", markersize=4)
+            ax.text(ms(t), y - 0.16, str(k + 1), ha="center", va="top", fontsize=7)
+        if len(tokens) >= 2:
+            a, b = tokens[0], tokens[1]
+            ax.annotate("", xy=(ms(a), y - 0.34), xytext=(ms(b), y - 0.34),
                         arrowprops={"arrowstyle": "<->", "color": "#7b3294"})
-            ax.text((ms(a) + ms(b)) / 2, y - 0.36, f"first gap {(b - a) * 1000:.1f} ms", ha="center",
+            ax.text((ms(a) + ms(b)) / 2, y - 0.38, f"first gap {(b - a) * 1000:.1f} ms", ha="center",
                     va="top", fontsize=8, color="#7b3294")
         ax.plot([ms(r.arrival)], [y], marker="|", color="black", markersize=14)
         status = "rejected" if r.rejected else "cancelled" if r.cancelled else "failed" if r.failed else ""
-        label = f"{r.arm} {r.id}" + (f" ({status})" if status else "")
-        ax.text(ms(r.arrival), y + 0.5, label, fontsize=8, ha="left")
+        more = len(r.token_times) - len(tokens)
+        label = f"{r.arm} {r.id}" + (f" ({status})" if status else "") + (f", {more} more tokens" if more else "")
+        ax.text(ms(r.arrival), y + 0.42, label, fontsize=8, ha="left")
     ax.set_yticks([])
-    ax.set_ylim(0.3, len(records) + 0.85)
-    ax.set_xlabel("time since the first arrival (ms); markers: tokens, | : arrival")
+    ax.set_ylim(0.4, len(records) + 0.75)
+    ax.set_xlim(-0.02 * max(right, 1e-9), 1.05 * max(right, 1e-9))
+    ax.set_xlabel("time since the first arrival (ms); dots: tokens, | : arrival")
     ax.grid(axis="x", color="#eeeeee")
     ax.set_title(title or "Requests on a shared timeline", fontsize=11)
     return _save(plt, fig, target)
