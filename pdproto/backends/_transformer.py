@@ -43,11 +43,11 @@ the largest difference, and whether the greedy token changed.
 
 from __future__ import annotations
 
+import copy as _copy
 import hashlib
 import math
 import time
-from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -304,9 +304,7 @@ class _MGen:
         self.decodes = 0
 
     def copy(self) -> "_MGen":
-        n = object.__new__(_MGen)
-        for name in _MGen.__slots__:
-            setattr(n, name, getattr(self, name))
+        n = _copy.copy(self)
         n.src = dict(self.src)
         n.at = dict(self.at)
         return n
@@ -643,7 +641,3 @@ class ModelBackend:
             request=ev.request, gen=ev.gen, worker=ev.worker, step=k, position=q, reference_position=rq,
             max_difference=big, token_changed=changed, token=mine, expected_token=ref_token,
         )
-
-
-def _info_rows(backend: ModelBackend) -> Mapping[str, Any]:
-    return backend.info()
