@@ -132,7 +132,7 @@ def test_the_seeds_30ms_wait_as_a_real_earlier_request() -> None:
 TOY_TABLE = PiecewiseLinear([(512, 115.5)], [(1, 25.0), (1000, 524.5)])
 TOY_PREFILL_S = 0.1155
 #: KV never binds, one prompt per prefill step (the toy's M/D/1), the transfer negligible
-#: (64 MiB at 1000 GiB/s, 0.06 ms; an even faster link can stall the engine's egress, see the report).
+#: (64 MiB at 1000 GiB/s, 0.06 ms).
 TOY = dict(kv_blocks=100_000, max_batch_tokens=512, coord_ms=0.0, latency_ms=0.0, bandwidth_gibps=1000.0)
 TOY_SLO = SLO(ttft=0.4, tpot=0.04)
 
