@@ -378,3 +378,21 @@ def test_a_read_ending_within_a_step_of_the_lease_is_the_recorders_known_false_a
     recording.merge_histories(files, tmp_path / "r.jsonl", complete=True)
     assert [v.invariant for v in audit(tmp_path / "a.jsonl").violations] == []
     assert [v.invariant for v in audit(tmp_path / "r.jsonl").violations] == ["early-source-free"]
+
+
+@pytest.mark.slow
+def test_decodes_first_records_only_the_first_token_boundary(harness, tmp_path, monkeypatch):
+    monkeypatch.setenv(recording.ENV_DECODES, "first")
+    h = harness
+    handoff(h)  # the reset builds connectors that read PDPROTO_DECODES
+    h.complete("d1")
+    drain(h)
+    events, violations = recorded(h, tmp_path)
+    assert violations == []
+    decodes = [e for e in events if e["ev"] == "decode"]
+    assert [d["position"] for d in decodes] == [len(PROMPT) - 1]
+    monkeypatch.setenv(recording.ENV_DECODES, "every")
+    with pytest.raises(recording.UsageError, match="pdproto_decodes: 'every'.*all or first or none"):
+        h.reset()
+    monkeypatch.delenv(recording.ENV_DECODES)
+    h.reset()

@@ -122,6 +122,12 @@ EXTRA_HISTORY = "pdproto_history"
 EXTRA_INNER = "pdproto_inner"
 #: the environment variable read when the extra config names no history path
 ENV_HISTORY = "PDPROTO_HISTORY"
+#: which decode steps to record (extra key ``pdproto_decodes``, else this
+#: environment variable): ``all`` (default), ``first`` (the first-token
+#: boundary only: one event per handoff instead of one per token), ``none``
+EXTRA_DECODES = "pdproto_decodes"
+ENV_DECODES = "PDPROTO_DECODES"
+DECODES = ("all", "first", "none")
 
 #: the extra key of a ``transfer_read_done`` that P records from D's
 #: notification: it names the transfer from P's blocks if D started one;
@@ -159,6 +165,7 @@ class _Gen:
     __slots__ = (
         "request", "key", "side", "table", "ticket", "transfer", "xfer",
         "invalid", "committed", "pending", "ended", "hit", "allocated", "deadline", "raw", "raw_len",
+        "steps",
     )
 
     def __init__(self, request: Any, key: str, side: str) -> None:
@@ -178,12 +185,15 @@ class _Gen:
         self.deadline: float | None = None  # P: the lease deadline NIXL set at request_finished
         self.raw: Any = None  # the real pool's block list last seen, and its length
         self.raw_len = 0
+        self.steps = 0  # D: steps scheduled after the commit
 
 
 class _Recorder:
     """The scheduler side's history: one file, the header first, flushed per event."""
 
-    def __init__(self, path: str, header: HistoryHeader, worker: str, block_size: int) -> None:
+    def __init__(self, path: str, header: HistoryHeader, worker: str, block_size: int,
+                 decodes: str = "all") -> None:
+        self.decodes = decodes
         self.path = _claim(path)
         self._fh = open(self.path, "x", encoding="utf-8")
         self._writer = HistoryWriter(self._fh, header)
@@ -331,7 +341,9 @@ class _Recorder:
             if not g.committed:
                 self.emit(Commit, request=g.key, gen=0, ticket=g.ticket, worker=self.worker)
                 g.committed = True
-            g.pending.append(g.request.num_computed_tokens + n - 1)
+            if self.decodes == "all" or (self.decodes == "first" and not g.steps):
+                g.pending.append(g.request.num_computed_tokens + n - 1)
+            g.steps += 1
 
     def connector_output(self, output: Any, now: float | None) -> None:
         for req_id in output.finished_sending or ():
@@ -431,6 +443,10 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
       An existing file is never overwritten (``.1``, ``.2`` ... are added).
     - ``pdproto_inner``: the connector wrapped, ``NixlConnector`` (default)
       or ``NixlPullConnector``.
+    - ``pdproto_decodes``: ``all`` (default), ``first`` or ``none`` (else the
+      environment variable ``PDPROTO_DECODES``): which decode steps to record.
+      Each event costs tens of microseconds; ``first`` keeps the first-token
+      boundary and drops the per-token events of a busy decode engine.
     """
 
     _default_inner = "NixlConnector"
@@ -453,6 +469,9 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
                     "a path whose only {fields} are {role}, {engine_id} and {pid}",
                 ) from None
             block_size = vllm_config.cache_config.block_size
+            decodes = extra.get(EXTRA_DECODES) or os.environ.get(ENV_DECODES) or "all"
+            if decodes not in DECODES:
+                raise UsageError(f"kv_connector_extra_config.{EXTRA_DECODES}", decodes, " or ".join(DECODES))
             header = HistoryHeader(
                 policy="pull",
                 complete=False,
@@ -463,10 +482,10 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
                     "engine_id": engine, "role": who, "kv_role": ktc.kv_role,
                     "num_blocks": int(kv_cache_config.num_blocks), "block_size": block_size,
                     "connector": type(self._inner).__name__, "recorder": RECORDER_VERSION,
-                    "started": round(clock() / 1e6, 3),
+                    "started": round(clock() / 1e6, 3), "decodes": decodes,
                 }},
             )
-            self._recorder = _Recorder(path, header, engine, block_size)
+            self._recorder = _Recorder(path, header, engine, block_size, decodes)
 
     # -- where the history goes ---------------------------------------------
     @property
