@@ -259,6 +259,16 @@ def test_layers_and_heads_come_from_the_model():
         replay(os.path.join(EXAMPLES, "clean-push.jsonl"), model="tiny-llama", layers=3)
 
 
+def test_without_transformers_the_extra_is_named():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from pdproto import MissingExtraError, replay\n"
+            "try:\n    replay(sys.argv[1], model='tiny-llama')\n"
+            "except MissingExtraError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code, os.path.join(EXAMPLES, "clean-push.jsonl")],
+                         capture_output=True, text=True, check=True)
+    assert "pip install 'pdproto[model]'" in out.stdout
+
+
 def test_import_pdproto_imports_no_transformers():
     code = "import sys, pdproto, pdproto.backends, pdproto.drivers; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
