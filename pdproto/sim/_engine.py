@@ -982,14 +982,18 @@ class _Sim:
             inst.mends = None
             return step(0, 0, n, ctx)
         # a macro-step: k steps with nobody joining, leaving or short of a block
-        t = self.now
-        ends = []
-        for i in range(k):
-            t += step(0, 0, n, ctx + i * n)
-            ends.append(t)
+        lat = inst.lat
+        if hasattr(lat, "decode_ends"):
+            ends = lat.decode_ends(n, ctx, k, self.now)
+        else:  # a latency model with only step()
+            ends = []
+            t = self.now
+            for i in range(k):
+                t += step(0, 0, n, ctx + i * n)
+                ends.append(t)
         inst.k += k
         inst.mends = ends
-        return t - self.now
+        return ends[-1] - self.now
 
     def macro_len(self, inst: _Inst, s: int) -> int:
         """How many decode steps from step ``s`` on can run as one event: up

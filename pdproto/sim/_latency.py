@@ -182,6 +182,23 @@ class Roofline:
         nbytes = self.model.weight_bytes + self._kv_tok * (decode_ctx + tokens)
         return max(flops * self._flop_s, nbytes * self._byte_s) + self._fixed
 
+    def decode_ends(self, seqs: int, ctx: int, k: int, start: float) -> list[float]:
+        """End times of ``k`` consecutive decode steps of ``seqs`` sequences
+        from ``start``, the context growing by ``seqs`` each step: exactly
+        what summing :meth:`step` gives (the same arithmetic), in one pass."""
+        fs, bs, fixed, attn, kv = self._flop_s, self._byte_s, self._fixed, self._attn, self._kv_tok
+        dense = 2.0 * self.model.params * seqs
+        weights = self.model.weight_bytes
+        out = []
+        t = start
+        for i in range(k):
+            c = ctx + i * seqs
+            x = (dense + attn * (0 + 2 * c)) * fs
+            y = (weights + kv * (c + seqs)) * bs
+            t += (x if x > y else y) + fixed
+            out.append(t)
+        return out
+
 
 def _points(pts: Sequence[tuple[float, float]], what: str) -> tuple[tuple[float, float], ...]:
     out = sorted((float(x), float(y)) for x, y in pts)
@@ -265,3 +282,12 @@ class PiecewiseLinear:
             ms += max(0.0, _interp(self._decode_x, self._decode_y, decode_seqs))
             ms += self.decode_ctx_ms * decode_ctx
         return ms / 1e3
+
+    def decode_ends(self, seqs: int, ctx: int, k: int, start: float) -> list[float]:
+        """End times of ``k`` consecutive decode steps (see :meth:`Roofline.decode_ends`)."""
+        out = []
+        t = start
+        for i in range(k):
+            t += self.step(0, 0, seqs, ctx + i * seqs)
+            out.append(t)
+        return out
