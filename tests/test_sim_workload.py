@@ -320,3 +320,12 @@ def test_make_workload_argument_errors() -> None:
     with pytest.raises(UsageError, match="seed"):
         make_workload(spec, 1, -3)
     assert list(make_workload(spec, 0)) == []
+
+
+def test_workload_is_streamed() -> None:
+    import itertools
+
+    stream = make_workload(WorkloadSpec.poisson(100.0, Lengths.uniform(1, 9), 3), 10**12, seed=1)
+    first = list(itertools.islice(stream, 5))
+    assert [r.id for r in first] == ["r0", "r1", "r2", "r3", "r4"]
+    assert all(a.arrival <= b.arrival for a, b in zip(first, first[1:]))
