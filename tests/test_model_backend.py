@@ -103,6 +103,15 @@ def test_first_token_boundary_example_diverges_at_step_0():
     json.dumps(d, allow_nan=False)
 
 
+def test_recompute_boundary_example_diverges_at_step_0():
+    """vLLM's convention, off by one the other way: D feeds P's token at
+    prompt_len instead of recomputing the last prompt token at prompt_len - 1."""
+    r = replay(os.path.join(EXAMPLES, "first-token-boundary-recompute.jsonl"), model="tiny-llama")
+    (v,) = _div(r)
+    assert (v.step, v.position, v.reference_position) == (0, 6, 5) and v.token_changed
+    assert r.backend["model"]["boundary"] == "recompute"
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(EXAMPLES, "clean-*.jsonl"))),
                          ids=lambda p: os.path.basename(p)[:-6])
 def test_clean_examples_are_bit_exact(path):

@@ -264,25 +264,6 @@ class _Real(_tb.TorchBackend):
         return new
 
 
-class _Tags(_tb.TorchBackend):
-    """The ownership channel: the torch backend, except that with boundary
-    ``recompute`` the first decode at ``prompt_len - 1`` writes that
-    position's prompt KV (it recomputes the last prompt token)."""
-
-    recompute_at: int | None = None
-
-    def _write_positions(self, w: Any, table: Sequence[int], tags: Sequence[int], start: int,
-                         codes: Sequence[int], line: int) -> None:
-        if start == self.recompute_at and len(codes) == 1:
-            codes = [_tb._PROMPT]
-        super()._write_positions(w, table, tags, start, codes, line)
-
-    def copy(self) -> "_Tags":
-        new = super().copy()
-        new.__class__ = _Tags
-        return new
-
-
 # -- the backend ----------------------------------------------------------------------------
 
 
@@ -342,7 +323,7 @@ class ModelBackend:
         self.boundary = boundary if boundary is not None else getattr(header, "boundary", "sampled")
         if self.boundary not in ("sampled", "recompute"):
             raise UsageError("boundary", self.boundary, "sampled or recompute")
-        self.tags = _Tags(header, device=device, dtype=dtype, tp=tp, layers=m.layers, kv_heads=m.kv_heads,
+        self.tags = _tb.TorchBackend(header, device=device, dtype=dtype, tp=tp, layers=m.layers, kv_heads=m.kv_heads,
                           head_dim=head_dim, block_size=block_size, layout="mha", scale=scale,
                           max_memory=max_memory)
         self.device = self.tags.device
@@ -392,7 +373,6 @@ class ModelBackend:
                 if self.threads is not None and before != self.threads:
                     torch.set_num_threads(before)
             out.extend(self.tags.apply(event, line))
-            self.tags.recompute_at = None
             if found is not None:
                 out.append(found)
         else:
@@ -584,8 +564,6 @@ class ModelBackend:
         g = self._gen(key)
         q = ev.position
         n = g.prompt_len
-        if self.boundary == "recompute" and n is not None and q == n - 1:
-            self.tags.recompute_at = q
         ref = self._reference(g) if n is not None else None
         if ref is None:
             self.real.apply(ev, line)
