@@ -20,7 +20,8 @@ from pdproto.drivers import audit  # noqa: E402
 from pdproto.protocol import Action  # noqa: E402
 from pdproto.spec import write_history  # noqa: E402
 
-recording = pytest.importorskip("pdproto.adapters.vllm.recording")
+import pdproto.adapters.vllm.recording as recording  # noqa: E402
+from pdproto.adapters.vllm import VllmAdapter, VllmHarness  # noqa: E402
 
 MODULE = "pdproto.adapters.vllm.recording"
 PROMPT = list(range(10, 20))  # 10 tokens: 3 blocks of 4
@@ -109,13 +110,12 @@ def test_merge_needs_each_events_time(tmp_path):
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    harness_mod = pytest.importorskip("pdproto.adapters.vllm._harness")
     where = tmp_path_factory.mktemp("recorded")
     mp = pytest.MonkeyPatch()
     mp.setenv(recording.ENV_HISTORY, str(where / "{role}.jsonl"))
     ticks = itertools.count(1)
     mp.setattr(recording, "clock", lambda: next(ticks) * 1_000_000)  # one shared, exact order
-    h = harness_mod.VllmHarness("pull", connector=("NixlConnector", MODULE), lease=30)
+    h = VllmHarness("pull", connector=("NixlConnector", MODULE), lease=30)
     yield h
     h.close()
     mp.undo()
@@ -261,8 +261,6 @@ def test_failed_read_records_transfer_failed_and_no_commit(harness, tmp_path):
 
 @pytest.fixture(scope="module")
 def adapter(harness):
-    from pdproto.adapters.vllm import VllmAdapter
-
     return VllmAdapter("pull", harness=harness)  # closed with the harness
 
 
