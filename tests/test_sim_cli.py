@@ -124,6 +124,7 @@ def test_sweep_at_a_rate_finds_the_cheapest_budget(capsys: pytest.CaptureFixture
     assert all(c["devices"] == 2 for c in data["configs"])
 
 
+@pytest.mark.slow  # matplotlib's import and seven pictures: several seconds
 def test_plot_writes_the_pictures(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     code, data = run_json(capsys, *SMALL, "--plot", str(tmp_path))
