@@ -180,12 +180,12 @@ class _Reference:
         return self.n - 1 if self.boundary == "recompute" else self.n
 
     def input(self, m: LoadedModel, k: int, device: torch.device) -> int:
-        self.step(m, k - 1, device) if k else None
+        """The token step ``k`` feeds."""
         if k < len(self.inputs):
             return self.inputs[k]
         if k == 0:
             return self.tokens[self.n - 1] if self.boundary == "recompute" else int(self.last_logits.argmax())
-        return self.steps[k - 1][1]
+        return self.step(m, k - 1, device)[1]
 
     def step(self, m: LoadedModel, k: int, device: torch.device) -> tuple[torch.Tensor, int]:
         while len(self.steps) <= k:
@@ -453,7 +453,7 @@ class ModelBackend:
             g.tokens = toks
         return g.tokens
 
-    def _reference(self, g: _MGen, line_prefix: torch.Tensor | None = None) -> _Reference | None:
+    def _reference(self, g: _MGen, p_prefix: torch.Tensor | None = None) -> _Reference | None:
         """The colocated run of ``g``'s prompt (made on first use, kept with the model)."""
         if g.ref is not None:
             return g.ref
@@ -472,8 +472,8 @@ class ModelBackend:
                 sr = self._reference(self._gens[src]) if src is not None else None
                 if sr is not None and p < sr.length:
                     prefix[p] = sr.kv[p]
-                elif line_prefix is not None:
-                    prefix[p] = line_prefix[p]
+                elif p_prefix is not None:
+                    prefix[p] = p_prefix[p]
                 else:
                     prefix[p] = float("nan")
         key = (tuple(tokens[:n]), s, self.boundary, str(self.device),
