@@ -453,7 +453,11 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
             else:
                 console.print(f"    no  {sg['signal']}")
     v = _verdict(runs)
-    if v is not None and len(runs) > 1:
+    per = [r["metrics"].get("goodput_per_device") or 0.0 for r in runs if r["result"]["violation"] is None]
+    if v is not None and len(per) > 1 and min(per) > 0 and max(per) <= 1.01 * min(per):
+        console.print(Text("Every arm serves this load (goodput per device within 1%): the difference is in the "
+                           "latencies above; --sweep compares the highest rates each sustains.", style="bold"))
+    elif v is not None and len(runs) > 1:
         extra = "; ".join(f"PD/{k[6:]} = {x:.2f}×" for k, x in v.items() if k.startswith("pd_vs_") and x is not None)
         console.print(Text(f"Best goodput per device: {v['best']} ({_f(v['goodput_per_device'], 3)} rps/device)"
                            + (f"; {extra}" if extra else ""), style="bold"))
