@@ -20,27 +20,51 @@ from ._harness import VllmHarness
 
 __all__ = ["VllmAdapter", "KNOWN"]
 
-#: invariant id -> a real vLLM behaviour that breaks it (docs/adapters/vllm.md)
-KNOWN: Mapping[str, str] = {
-    "early-source-free": (
-        "P's KV lease (kv_lease_duration) expires while D still reads: the P worker reports the "
-        "request as finished_sending and the scheduler frees the source blocks (compare vllm#21570); "
-        "only under the fault 'expire' (D's heartbeats lost or D stalled past the lease)"
-    ),
-    "leak": (
-        "a request aborted at D while WAITING_FOR_REMOTE_KVS keeps its blocks until a late "
-        "finished_recving (compare vllm#32255); when that notification never comes (lost, or in "
-        "push a WRITE that never happens) the blocks stay held forever"
-    ),
-    "stuck": (
-        "D has no deadline of its own for a remote KV load: when the completion is lost (pull: the "
-        "READ's report; push: P's WRITE fails, P restarts, or its notification is lost) the request "
-        "waits in WAITING_FOR_REMOTE_KVS until the client aborts it"
-    ),
-    "foreign-block-access": (
-        "after P's lease expired (fault 'expire' before D's READ started), D's scheduler still "
-        "issues the READ of remote_block_ids P no longer holds"
-    ),
+_LEASE = (
+    "P's KV lease (kv_lease_duration) runs out while D still reads: P's worker reports the request "
+    "as finished_sending and the scheduler frees the source blocks (compare vllm-project/vllm#21570); "
+    "only under the fault 'expire' (D stalled past the lease, its heartbeats lost)"
+)
+_STUCK = (
+    "D has no deadline of its own for a remote KV load: when the completion never comes (the "
+    "report or notification lost, P's WRITE failed, P restarted) the request waits in "
+    "WAITING_FOR_REMOTE_KVS until the client aborts it"
+)
+
+#: family -> invariant id -> a real vLLM behaviour that breaks it, one line
+#: (docs/adapters/vllm.md has the reproducing histories)
+KNOWN: Mapping[str, Mapping[str, str]] = {
+    "pull": {
+        "early-source-free": _LEASE,
+        "foreign-block-access": (
+            "P's lease ran out (fault 'expire') before D's READ started: P freed the blocks, and D's "
+            "scheduler still READs remote_block_ids from them (P only logs 'Potentially invalid KV "
+            "blocks for unrecognized request')"
+        ),
+        "leak": (
+            "a request aborted at D while WAITING_FOR_REMOTE_KVS keeps its blocks until the READ's "
+            "late finished_recving (compare vllm-project/vllm#32255); when that report is lost the "
+            "blocks are held forever"
+        ),
+        "stuck": _STUCK,
+    },
+    "push": {
+        "early-source-free": _LEASE,
+        "leak": (
+            "a request aborted at D while WAITING_FOR_REMOTE_KVS keeps its blocks until P's WRITE "
+            "completes; when no WRITE comes (P aborted before prefill, P restarted, the WRITE failed "
+            "or its notification was lost) the blocks are held forever"
+        ),
+        "resurrection": (
+            "an abort after P finished prefill does not reach P's worker: it still matches D's "
+            "registration and WRITEs the cancelled generation's KV into D's (still held) blocks"
+        ),
+        "stale-generation": (
+            "as resurrection, after the client retried: P's WRITE for the old generation starts "
+            "after the new one was submitted"
+        ),
+        "stuck": _STUCK,
+    },
 }
 
 _ENDED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED", "FINISHED_IGNORED",
@@ -120,7 +144,7 @@ class VllmAdapter:
             boundary="recompute",
             features={"boundary"},
         )
-        self.known: Mapping[str, str] = KNOWN
+        self.known: Mapping[str, str] = KNOWN[family]
         self.reset()
 
     # -- the adapter interface ---------------------------------------------------------
@@ -151,7 +175,7 @@ class VllmAdapter:
         for t in self._running():
             g = self.by_id[t.d_id]
             acts.append(Action("complete", "net", (g.request, g.gen)))
-        expire = self._expire_target()
+        expire = self._expire_target(heartbeats=True)
         if expire is not None:
             acts.append(Action("expire", "clock", (), fault=expire[1]))
         # faults
@@ -171,6 +195,9 @@ class VllmAdapter:
                 if (g is not None and kind in ("done", "read") and (worker, kind, rid) not in self.duplicated
                         and (kind, rid) not in self.h.workers[side].inbox):
                     acts.append(Action("duplicate", "net", (worker, kind, g.request, g.gen), fault=True))
+        lost = self._expire_target(heartbeats=False)
+        if lost is not None and lost != expire:
+            acts.append(Action("expire", "clock", ("heartbeats-lost",), fault=True))
         for worker in ("P0", "D0"):
             if self.restarts[worker] < self.max_restarts:
                 acts.append(Action("restart", worker, (worker,), fault=True))
@@ -205,8 +232,14 @@ class VllmAdapter:
             self.h.fail(g.d_id)
             out.append(TransferFailed(g.transfer))
         elif kind == "expire":
-            target = self._expire_target()
+            heartbeats = not action.args
+            target = self._expire_target(heartbeats)
             assert target is not None
+            if heartbeats:  # D's heartbeats renewed the leases of what it still waits for
+                leases = self.h.workers["P"].reqs_to_send
+                for rid in self._heartbeated():
+                    if rid in leases:
+                        leases[rid] = max(leases[rid], target[0] + self.h.lease)
             self.h.clock.now = max(self.h.clock.now, target[0])
         elif kind == "abort":
             self._abort(self.gens[action.args[0]], out)
@@ -285,7 +318,7 @@ class VllmAdapter:
             if event.worker == "P0":
                 if self.h.worker_has_output("P") or self.h.connector_pending("P"):
                     return Action("step", "P0", ("P0",))
-                target = self._expire_target()
+                target = self._expire_target(heartbeats=True)
                 if target is not None:
                     return Action("expire", "clock", (), fault=target[1])
                 return None
@@ -362,24 +395,30 @@ class VllmAdapter:
         _x, r, gen = transfer.rsplit("-", 2)
         return r, int(gen)
 
-    def _expire_target(self) -> tuple[float, bool] | None:
-        """The time of the next lease deadline at P, and whether letting it
-        pass is a fault (a reader of those blocks may still come)."""
+    def _heartbeated(self) -> set[str]:
+        """The P request ids D's connector sends lease-renewing heartbeats
+        for (its real ``_heartbeat_by_engine``)."""
+        info = self.h.nixl("D")._heartbeat_by_engine.get(VllmHarness.P_ENGINE)
+        return set(info.req_ids) if info is not None else set()
+
+    def _expire_target(self, heartbeats: bool) -> tuple[float, bool] | None:
+        """Time passes to P's next lease deadline: when, and whether that is
+        a fault.  With ``heartbeats`` the leases D still sends heartbeats
+        for are renewed and only the others can run out; the time passing is
+        a fault when any transfer is in flight (it stalled that long).
+        Without them (D stalled, heartbeats lost) it is always a fault."""
         w = self.h.workers["P"]
-        pending = {rid: d for rid, d in w.reqs_to_send.items() if d > self.h.clock.now}
+        if heartbeats and self.h.connector_pending("P"):
+            return None  # P's engine ships its new leases at its next step, long before they run out
+        skip = self._heartbeated() if heartbeats else set()
+        pending = {rid: d for rid, d in w.reqs_to_send.items() if d > self.h.clock.now and rid not in skip}
         if not pending:
             return None
         when = min(pending.values())
-        fault = False
-        for rid, deadline in pending.items():
-            if deadline > when:
-                continue
-            g = self.by_id.get(rid)
-            if g is None:
-                continue
-            t = self.h.transfers.get(g.d_id)
-            if (t.state == "running") if t is not None else g.terminal is None:
-                fault = True  # a reader is still at work, or may still come
+        if not heartbeats:
+            return when, True
+        # 30 seconds passing while a transfer is in flight means it stalled: a fault
+        fault = bool(self._running())
         return when, fault
 
     # -- observing one engine step ------------------------------------------------------------

@@ -21,9 +21,10 @@ scheduler after that costs milliseconds, so :meth:`VllmHarness.rebuild`
 (used by reset and restart) builds fresh ones from the same configuration.
 
 Time is injected: the NIXL scheduler modules read ``time.perf_counter`` for
-lease deadlines; while a harness is open they read :class:`Clock` instead
-(restored by :meth:`VllmHarness.close`).  Only one harness may be open per
-process.
+lease deadlines; while a harness is open they read the process's one
+:class:`Clock` instead (restored when the last harness closes).  Harnesses
+in one process share that clock, and each reset sets it back: run them one
+after the other, not interleaved.
 
 ``connector=(class_name, module_path)`` loads another connector class (for
 example a recording wrapper around NIXL's) through vLLM's
@@ -100,6 +101,12 @@ class _TimeShim:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(_time, name)
+
+
+#: the process's injected clock, its patched modules' saved ``time``, the open harnesses
+_CLOCK = Clock()
+_SAVED_TIME: dict[str, Any] = {}
+_OPEN: set[int] = set()
 
 
 def token_for(request_id: str, position: int) -> int:
@@ -210,8 +217,7 @@ class VllmHarness:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.lease = lease
-        self.clock = Clock()
-        self._saved_time: dict[str, Any] = {}
+        self.clock = _CLOCK
         self._model_dir = tempfile.mkdtemp(prefix="pdproto-vllm-model-")
         with open(os.path.join(self._model_dir, "config.json"), "w") as f:
             json.dump(_MODEL_CONFIG, f)
@@ -296,10 +302,12 @@ class VllmHarness:
     def _install_clock(self) -> None:
         import importlib
 
-        for name in _CLOCKED:
-            module = importlib.import_module(name)
-            self._saved_time[name] = module.time
-            module.time = _TimeShim(self.clock)
+        if not _SAVED_TIME:
+            for name in _CLOCKED:
+                module = importlib.import_module(name)
+                _SAVED_TIME[name] = module.time
+                module.time = _TimeShim(_CLOCK)
+        _OPEN.add(id(self))
 
     @staticmethod
     def _shutdown(sched: Any) -> None:
@@ -314,9 +322,11 @@ class VllmHarness:
         for sched in self.sched.values():
             self._shutdown(sched)
         self.sched.clear()
-        for name, saved in self._saved_time.items():
-            importlib.import_module(name).time = saved
-        self._saved_time.clear()
+        _OPEN.discard(id(self))
+        if not _OPEN:
+            for name, saved in _SAVED_TIME.items():
+                importlib.import_module(name).time = saved
+            _SAVED_TIME.clear()
         shutil.rmtree(self._model_dir, ignore_errors=True)
 
     # -- looking ---------------------------------------------------------------------
