@@ -126,6 +126,24 @@ def test_clean_examples_are_bit_exact(path):
     assert r.backend["model"]["decodes"] > 0
 
 
+@pytest.mark.parametrize("policy", ["push", "pull"])
+def test_long_interleaved_history_is_bit_exact(tmp_path, policy):
+    """Requests in flight together, chunked two-range transfers, prefix
+    shares (benchmarks/_long_history.py), with a sliding-window model."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import _long_history
+    finally:
+        sys.path.pop(0)
+    header, events, stats = _long_history.generate(events=600, policy=policy, seed=3)
+    assert stats["shares"] and stats["chunked"]
+    path = os.path.join(tmp_path, "long.jsonl")
+    _long_history.write(path, header, events)
+    r = replay(path, model="tiny-mistral", tp="2:1")
+    assert r.ok, r.violations[:3]
+    assert r.backend["model"]["decodes"] > 100
+
+
 # -- first-token conventions ------------------------------------------------------------------
 
 
