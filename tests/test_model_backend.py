@@ -256,6 +256,17 @@ def test_reference_is_the_models_own_greedy_decoding(name):
     assert len(set(tokens)) > 2  # initializer_range 0.2: the output varies
 
 
+@pytest.mark.parametrize("dtype, attention", [("bfloat16", "sdpa"), ("float32", "eager")])
+def test_bfloat16_and_eager_attention_are_bit_exact(dtype, attention):
+    m = load_model("tiny-llama", dtype=dtype, attention=attention)
+    assert load_model("tiny-llama", dtype=dtype, attention=attention) is m
+    ok = replay(os.path.join(EXAMPLES, "clean-push.jsonl"), model=m, tp="2:1")
+    assert ok.ok, ok.violations
+    assert ok.backend["model"]["dtype"] == dtype
+    bad = replay(os.path.join(EXAMPLES, "first-token-boundary.jsonl"), model=m)
+    assert [v.step for v in _div(bad)] == [0]
+
+
 def test_models_replay_clean_push_bit_exact():
     for name in ("tiny-qwen2", "tiny-mistral"):
         r = replay(os.path.join(EXAMPLES, "clean-push.jsonl"), model=name)
