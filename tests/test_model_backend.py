@@ -260,9 +260,10 @@ def test_reference_is_the_models_own_greedy_decoding(name):
 def test_bfloat16_and_eager_attention_are_bit_exact(dtype, attention):
     m = load_model("tiny-llama", dtype=dtype, attention=attention)
     assert load_model("tiny-llama", dtype=dtype, attention=attention) is m
-    ok = replay(os.path.join(EXAMPLES, "clean-push.jsonl"), model=m, tp="2:1")
-    assert ok.ok, ok.violations
-    assert ok.backend["model"]["dtype"] == dtype
+    for example in ("clean-push", "clean-shared-prefix"):
+        ok = replay(os.path.join(EXAMPLES, example + ".jsonl"), model=m, tp="2:1")
+        assert ok.ok, ok.violations
+        assert ok.backend["model"]["dtype"] == dtype
     bad = replay(os.path.join(EXAMPLES, "first-token-boundary.jsonl"), model=m)
     assert [v.step for v in _div(bad)] == [0]
 

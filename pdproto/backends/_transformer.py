@@ -67,8 +67,10 @@ LOGIT_DIVERGENCE_RULE = (
     "same step of a colocated run of the same prompt: the KV D read through its block table, or the "
     "input token it fed, is not what colocated decoding has"
 )
-#: colocated reference runs kept per model (least recently used dropped first)
+#: colocated reference runs kept per model, at most this many and this many
+#: bytes of their KV (the oldest dropped first)
 _MAX_REFERENCES = 512
+_MAX_REFERENCE_BYTES = 256 << 20
 
 
 @attrs.frozen
@@ -323,9 +325,9 @@ class ModelBackend:
         self.boundary = boundary if boundary is not None else getattr(header, "boundary", "sampled")
         if self.boundary not in ("sampled", "recompute"):
             raise UsageError("boundary", self.boundary, "sampled or recompute")
-        self.tags = _tb.TorchBackend(header, device=device, dtype=dtype, tp=tp, layers=m.layers, kv_heads=m.kv_heads,
-                          head_dim=head_dim, block_size=block_size, layout="mha", scale=scale,
-                          max_memory=max_memory)
+        self.tags = _tb.TorchBackend(header, device=device, dtype=dtype, tp=tp, layers=m.layers,
+                                     kv_heads=m.kv_heads, head_dim=head_dim, block_size=block_size, layout="mha",
+                                     scale=scale, max_memory=max_memory)
         self.device = self.tags.device
         self.real = _Real(header, device=self.device, dtype=_tb.canonical_dtype(str(m.dtype).split(".")[-1]),
                           tp=tp, layers=m.layers, kv_heads=m.kv_heads, head_dim=m.head_dim,
@@ -477,15 +479,19 @@ class ModelBackend:
                 else:
                     prefix[p] = float("nan")
         key = (tuple(tokens[:n]), s, self.boundary, str(self.device),
-               hashlib.blake2b(prefix.cpu().numpy().tobytes(), digest_size=16).digest() if s else None)
+               hashlib.blake2b(prefix.cpu().contiguous().view(torch.uint8).numpy().tobytes(),
+                               digest_size=16).digest() if s else None)
         refs = m.references
         ref = refs.get(key)
-        if ref is None:
+        if ref is not None:
+            refs.move_to_end(key)
+        else:
             t0 = time.perf_counter()
             ref = _Reference(m, tokens, n, s, prefix, self.boundary, self.device)
             self.seconds["reference"] += time.perf_counter() - t0
             refs[key] = ref
-            if len(refs) > _MAX_REFERENCES:
+            while len(refs) > 1 and (len(refs) > _MAX_REFERENCES
+                                     or sum(r.kv.nbytes for r in refs.values()) > _MAX_REFERENCE_BYTES):
                 refs.popitem(last=False)
         g.ref = ref
         return ref
