@@ -438,6 +438,7 @@ class _Sim:
             self.C = make("colocated", n, cfg.tp, "W")
             self.pools = {"colocated": self.C}
         self.insts = [i for pool in self.pools.values() for i in pool]
+        self.order = {inst: n for n, inst in enumerate(self.insts)}
         self.ev_on = cfg.arm == "pd" and (monitor or history is not None)
         self.mon: Monitor | None = None
         self.writer: HistoryWriter | None = None
@@ -513,7 +514,7 @@ class _Sim:
                 t, _s, kind, obj, extra = pop(heap)
                 self.now = t
                 if self.sample_dt is not None and t >= self.next_sample:
-                    self.sample()
+                    self.sample(t)
                 if kind == _STEP:
                     if extra == obj.version:
                         self.step_done(obj)
@@ -542,10 +543,14 @@ class _Sim:
                 if self.d_freed:
                     self.d_freed = False
                     self.drain_rq()
-                while self.kicks:
-                    inst = self.kicks.pop()
-                    if not inst.busy:
-                        self.start_step(inst)
+                # an idle instance starts its step once every event of this instant is in,
+                # so requests arriving (or landing) together are batched together
+                while self.kicks and (not heap or heap[0][0] > t):
+                    idle = sorted(self.kicks, key=self.order.__getitem__)
+                    self.kicks.clear()
+                    for inst in idle:
+                        if not inst.busy:
+                            self.start_step(inst)
             self.last_t = self.now
             if self.mon is not None and self.violation is None:
                 ends = self.mon.finish()
@@ -616,7 +621,7 @@ class _Sim:
                 if r.cancelled:
                     return
             if not inst.busy:
-                self.start_step(inst)
+                self.kicks.add(inst)
 
     def enqueue_rq(self, r: _Req, front: bool = False) -> None:
         r.state = _RQ
@@ -665,7 +670,7 @@ class _Sim:
             p.waiting.append(r)
             p.qtok += r.plen
             if not p.busy:
-                self.start_step(p)
+                self.kicks.add(p)
 
     def reject(self, r: _Req, why: str) -> None:
         if r.state == _RQ and self.cfg.arm == "pd":
@@ -1292,7 +1297,7 @@ class _Sim:
         self.account(d)
         self.join(d, r)
         if not d.busy:
-            self.start_step(d)
+            self.kicks.add(d)
 
     def xfer_fail(self, r: _Req, timeout: bool) -> None:
         """The transfer failed (or timed out and was aborted): end the
@@ -1318,21 +1323,28 @@ class _Sim:
 
     # -- results ------------------------------------------------------------------
 
-    def sample(self) -> None:
-        t = self.now
-        for name, pool in self.pools.items():
-            q = sum(len(i.waiting) for i in pool) + (len(self.rq) if name == "prefill" else 0)
-            kv = sum(i.nblocks - len(i.free) for i in pool) / sum(i.nblocks for i in pool)
-            busy = sum(1 for i in pool if i.busy) / len(pool)
-            self.samples.append((t, name, q, kv, busy))
-            if self.metrics is not None:
-                self.metrics.gauge(name + ".queue").set(t, q)
-                cap = pool[0].nblocks * len(pool)
-                self.metrics.gauge(name + ".kv_blocks", cap).set(t, kv * cap)
-        if len(self.samples) > 8000:  # bounded: keep every other sample, sample half as often
-            self.samples = self.samples[::2]
-            self.sample_dt *= 2  # type: ignore[operator]
-        self.next_sample = t + self.sample_dt  # type: ignore[operator]
+    def sample(self, until: float) -> None:
+        """Record the pools at every sample time before ``until`` (the state
+        has not changed since the last event, so it holds for all of them)."""
+        dt = self.sample_dt
+        ts = self.next_sample
+        if (until - ts) / dt > 10_000:  # type: ignore[operator]
+            ts = until  # a long quiet stretch: one sample, not thousands
+        while ts <= until:
+            for name, pool in self.pools.items():
+                q = sum(len(i.waiting) for i in pool) + (len(self.rq) if name == "prefill" else 0)
+                kv = sum(i.nblocks - len(i.free) for i in pool) / sum(i.nblocks for i in pool)
+                busy = sum(1 for i in pool if i.busy) / len(pool)
+                self.samples.append((ts, name, q, kv, busy))
+                if self.metrics is not None:
+                    self.metrics.gauge(name + ".queue").set(ts, q)
+                    cap = pool[0].nblocks * len(pool)
+                    self.metrics.gauge(name + ".kv_blocks", cap).set(ts, kv * cap)
+            if len(self.samples) > 8000:  # bounded: keep every other sample, sample half as often
+                self.samples = self.samples[::2]
+                self.sample_dt = dt = dt * 2  # type: ignore[operator]
+            ts += dt  # type: ignore[operator]
+        self.next_sample = ts
 
     def result(self, wall: float) -> SimResult:
         start = self.first_arrival or 0.0

@@ -242,9 +242,11 @@ def signals(result: SimResult) -> list[dict[str, Any]]:
     dbusy = [s[4] for s in samples if s[1] == "decode"]
     q1, q2 = _halves(pq)
     out = []
-    grow = q2 > max(2.0, 1.5 * q1)
+    # P saturated with a standing queue (or a queue still growing at the end) while D idles
+    grow = (p["utilisation"] >= 0.9 and p["mean_queue"] >= 2.0) or q2 > max(2.0, 1.5 * q1)
     out.append({"signal": "p-queue-growing-d-idle", "fired": bool(grow and d["utilisation"] < 0.5),
-                "evidence": {"p_queue_first_half": q1, "p_queue_second_half": q2,
+                "evidence": {"p_utilisation": p["utilisation"], "p_mean_queue": p["mean_queue"],
+                             "p_queue_first_half": q1, "p_queue_second_half": q2,
                              "d_utilisation": d["utilisation"]}})
     full = [k >= 0.95 and b > 0 for k, b in zip(dkv, pbusy)]
     full_share = sum(full) / len(full) if full else (1.0 if d["peak_kv_occupancy"] >= 0.95 else 0.0)
@@ -258,12 +260,13 @@ def signals(result: SimResult) -> list[dict[str, Any]]:
                 "fired": bool(t["count"] and queueing > 0.25 * max(t["mean_ms"] - queueing, 1e-9)),
                 "evidence": {"mean_transfer_ms": t["mean_ms"], "mean_queueing_ms": queueing,
                              "peak_concurrent": t["peak_concurrent"]}})
-    turns = [(a == 0) != (b == 0) for a, b in zip(pbusy, dbusy)]
-    turn_share = sum(turns) / len(turns) if turns else 0.0
+    k = len(pbusy) or 1
+    p_only = sum(1 for a, b in zip(pbusy, dbusy) if a > 0 and b == 0) / k  # P works, D idles
+    d_only = sum(1 for a, b in zip(pbusy, dbusy) if a == 0 and b > 0) / k  # and the other way round
     out.append({"signal": "pools-take-turns-idling",
-                "fired": bool(turn_share >= 0.3 and p["utilisation"] < 0.7 and d["utilisation"] < 0.7),
-                "evidence": {"share_of_time_one_pool_idle": turn_share, "p_utilisation": p["utilisation"],
-                             "d_utilisation": d["utilisation"]}})
+                "fired": bool(min(p_only, d_only) >= 0.15 and p["utilisation"] < 0.7 and d["utilisation"] < 0.7),
+                "evidence": {"share_of_time_only_p_busy": p_only, "share_of_time_only_d_busy": d_only,
+                             "p_utilisation": p["utilisation"], "d_utilisation": d["utilisation"]}})
     for s in out:
         s["direction"] = SIGNALS[s["signal"]]
     return out
