@@ -108,7 +108,9 @@ class VllmAdapter:
     including vLLM's null block 0; 9), ``lease`` (seconds, 30),
     ``max_gen`` (retries per request, 1), ``max_restarts`` (per worker and
     example, 1), ``connector`` (``(class_name, module_path)`` of another
-    connector class, e.g. a recording wrapper of NIXL's)."""
+    connector class, e.g. a recording wrapper of NIXL's), ``extra_config``
+    (merged into ``kv_connector_extra_config``), ``harness`` (an already
+    built :class:`VllmHarness` of the same family to reuse)."""
 
     #: how far the injected clock moves in one engine step
     STEP_SECONDS = 0.01
@@ -126,6 +128,7 @@ class VllmAdapter:
         max_gen: int = 1,
         max_restarts: int = 1,
         connector: tuple[str, str | None] | None = None,
+        extra_config: dict | None = None,
         harness: VllmHarness | None = None,
     ) -> None:
         self.family = family
@@ -136,7 +139,7 @@ class VllmAdapter:
         self.max_gen = max_gen
         self.max_restarts = max_restarts
         self.h = harness or VllmHarness(family, block_size=block_size, num_blocks=blocks, lease=lease,
-                                        connector=connector)
+                                        connector=connector, extra_config=extra_config)
         self.header = HistoryHeader(
             policy=family,
             complete=True,
@@ -176,8 +179,8 @@ class VllmAdapter:
             g = self.by_id[t.d_id]
             acts.append(Action("complete", "net", (g.request, g.gen)))
         expire = self._expire_target(heartbeats=True)
-        if expire is not None:
-            acts.append(Action("expire", "clock", (), fault=expire[1]))
+        if expire is not None and not expire[1]:
+            acts.append(Action("expire", "clock", ()))
         # faults
         for r, g in self.gens.items():
             if g.terminal is None:
@@ -195,6 +198,8 @@ class VllmAdapter:
                 if (g is not None and kind in ("done", "read") and (worker, kind, rid) not in self.duplicated
                         and (kind, rid) not in self.h.workers[side].inbox):
                     acts.append(Action("duplicate", "net", (worker, kind, g.request, g.gen), fault=True))
+        if expire is not None and expire[1]:
+            acts.append(Action("expire", "clock", (), fault=True))
         lost = self._expire_target(heartbeats=False)
         if lost is not None and lost != expire:
             acts.append(Action("expire", "clock", ("heartbeats-lost",), fault=True))

@@ -194,7 +194,9 @@ class VllmHarness:
     ``family`` is ``"pull"`` or ``"push"``; ``block_size`` tokens per block;
     ``num_blocks`` per instance (block 0 is vLLM's null block, never handed
     out); ``lease`` is ``kv_lease_duration`` in seconds; ``connector``
-    optionally ``(class_name, module_path)`` of another connector class."""
+    optionally ``(class_name, module_path)`` of another connector class,
+    loaded through ``kv_connector_module_path``; ``extra_config`` is merged
+    into both instances' ``kv_connector_extra_config``."""
 
     P_ENGINE = "engine-P"
     D_ENGINE = "engine-D"
@@ -209,6 +211,7 @@ class VllmHarness:
         max_num_batched_tokens: int = 64,
         lease: int = 30,
         connector: tuple[str, str | None] | None = None,
+        extra_config: dict | None = None,
         quiet: bool = True,
     ) -> None:
         if family not in ("pull", "push"):
@@ -217,6 +220,7 @@ class VllmHarness:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.lease = lease
+        self.extra_config = dict(extra_config or {})
         self.clock = _CLOCK
         self._model_dir = tempfile.mkdtemp(prefix="pdproto-vllm-model-")
         with open(os.path.join(self._model_dir, "config.json"), "w") as f:
@@ -261,7 +265,7 @@ class VllmHarness:
             kv_connector_module_path=module_path,
             kv_role="kv_producer" if side == "P" else "kv_consumer",
             engine_id=self.P_ENGINE if side == "P" else self.D_ENGINE,
-            kv_connector_extra_config={"kv_lease_duration": self.lease},
+            kv_connector_extra_config={**self.extra_config, "kv_lease_duration": self.lease},
             kv_load_failure_policy="fail",
         )
         config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache,
