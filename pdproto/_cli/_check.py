@@ -75,6 +75,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", default=None, help="with --backend torch: cpu (default) or cuda")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
                    help="with --backend torch: KV dtype (default bfloat16)")
+    p.add_argument("--transformer", default=None, metavar="NAME|PATH",
+                   help="with --backend torch: also run a real transformer (as pdproto replay --model: "
+                   "tiny-llama, tiny-qwen2, tiny-mistral, smollm2-135m or a local model folder) on every "
+                   "explored step and compare its logits with a colocated run (logit-divergence; slow: "
+                   "for small searches)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--out", metavar="TRACE.jsonl",
                    help="write the (first) counterexample as a history that `pdproto audit` reads")
@@ -166,7 +171,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
 def _backend_options(args: argparse.Namespace) -> dict[str, Any] | None:
     """Check the --backend options (before loading anything); None without --backend."""
     if args.backend is None:
-        for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
+        for flag, value in (("--device", args.device), ("--dtype", args.dtype),
+                            ("--transformer", args.transformer)):
             if value is not None:
                 raise UsageError(flag, value, "--backend torch along with it")
         return None
@@ -182,6 +188,7 @@ def _backend_options(args: argparse.Namespace) -> dict[str, Any] | None:
         "layers": BACKEND_LAYERS,
         "kv_heads": BACKEND_KV_HEADS,
         "head_dim": BACKEND_HEAD_DIM,
+        **({"model": args.transformer} if args.transformer is not None else {}),
     }
 
 
@@ -191,8 +198,17 @@ def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
     from ..drivers._replay import load_torch_backend
     from ..spec._history import HistoryHeader
 
-    tb = load_torch_backend()
     header = getattr(model, "header", None) or HistoryHeader()
+    if "model" in opts:  # a real transformer beside the ownership channel (its own layers and heads)
+        from ..drivers._replay import model_backend_factory
+
+        make = model_backend_factory(opts["model"], device=opts["device"], dtype=opts["dtype"],
+                                     head_dim=opts["head_dim"])
+        first = make(header)  # a bad model, --device or --dtype fails before the search
+        opts["device"] = str(first.device)
+        opts["layers"], opts["kv_heads"] = first.m.layers, first.m.kv_heads
+        return lambda: make(header)
+    tb = load_torch_backend()
     # one backend now: a bad --device or --dtype fails before the search
     first = tb.TorchBackend(header, device=opts["device"], dtype=opts["dtype"], layers=opts["layers"],
                             kv_heads=opts["kv_heads"], head_dim=opts["head_dim"])

@@ -55,6 +55,10 @@ def add_parser(sub: Any) -> None:
                    help="also run every step on real KV buffers (torch; imported only then)")
     p.add_argument("--device", default="cpu", help="torch device for --backend torch (cpu or cuda)")
     p.add_argument("--dtype", default="float32", help="torch dtype for --backend torch")
+    p.add_argument("--transformer", default=None, metavar="NAME|PATH",
+                   help="with --backend torch: also run a real transformer (as pdproto replay --model) "
+                   "and compare every decode's logits with a colocated run (logit-divergence; slow: "
+                   "for small runs)")
     p.add_argument("--coverage-exhaustive", type=positive_int, nargs="?", const=2_000_000, default=None,
                    metavar="MAX_STATES",
                    help="first count every reachable model state (breadth-first, up to MAX_STATES) "
@@ -71,7 +75,7 @@ def add_parser(sub: Any) -> None:
 
 
 #: flags that configure a model, and so mean nothing with --adapter
-MODEL_ONLY = ("requests", "workers", "blocks", "policy", "faults", "coverage_exhaustive")
+MODEL_ONLY = ("requests", "workers", "blocks", "policy", "faults", "coverage_exhaustive", "transformer")
 
 
 
@@ -100,12 +104,17 @@ def run(args: argparse.Namespace, console: Any) -> int:
     )
     check_output_path(args.out, "--out")  # before the run, not at its end
     backend = None
+    if args.transformer is not None and args.backend != "torch":
+        raise UsageError("--transformer", args.transformer, "--backend torch along with it")
     if args.backend == "torch":
         if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
             raise UsageError("--device", args.device, "cpu or cuda")
-        from ..drivers._replay import torch_backend_factory
+        from ..drivers._replay import model_backend_factory, torch_backend_factory
 
-        backend = torch_backend_factory(device=args.device, dtype=args.dtype)
+        if args.transformer is not None:
+            backend = model_backend_factory(args.transformer, device=args.device, dtype=args.dtype)
+        else:
+            backend = torch_backend_factory(device=args.device, dtype=args.dtype)
     stats = FuzzStats()
     with _progress(console, args, stats, info.name):
         result = fuzz(

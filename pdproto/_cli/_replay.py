@@ -67,6 +67,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch intra-op threads during the replay (default 1: per-block work is small)")
     p.add_argument("--max-line-bytes", type=positive_int, default=MAX_LINE_BYTES, metavar="N",
                    help=f"longest history line accepted, in bytes (default {MAX_LINE_BYTES:,})")
+    p.add_argument("--model", metavar="NAME|PATH",
+                   help="also run a real transformer: prefill on P, its real KV through the history's "
+                   "blocks, decode on D, logits compared bit for bit with a colocated run "
+                   "(logit-divergence): tiny-llama, tiny-qwen2, tiny-mistral, smollm2-135m, or a local "
+                   "Hugging Face model folder (needs pdproto[model]; nothing is downloaded)")
     p.add_argument("--adapter", metavar="NAME",
                    help="instead of KV buffers, re-enact the history's decisions on a real system "
                    "(vllm, vllm:push, model:NAME, module:attribute; docs/adapters.md) and report where "
@@ -75,7 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 #: replay flags that configure the KV buffers, and so mean nothing with --adapter
-KV_ONLY = ("dtype", "scale", "layout", "tp", "layers", "kv_heads", "head_dim", "block_size", "max_memory")
+KV_ONLY = ("dtype", "scale", "layout", "tp", "layers", "kv_heads", "head_dim", "block_size", "max_memory",
+           "model")
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
@@ -88,6 +94,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         layout=args.layout, scale=args.scale,
         policy=args.policy, complete=args.complete, skip=skip,
         max_line_bytes=args.max_line_bytes, max_memory=args.max_memory, threads=args.threads,
+        model=args.model,
     )
     return print_result(result, args.json, lambda: _print_report(console, args.file, result))
 
@@ -106,9 +113,17 @@ def _print_report(console: Any, path: str, result: ReplayResult) -> None:
         f"{b['bytes_copied']} bytes transferred, {b['bytes_verified']} bytes verified",
         markup=True,
     )
+    m = b.get("model")
+    if m:
+        console.print(
+            f"model {esc(str(m.get('name')))}: {m.get('layers')} layers x {m.get('kv_heads')} KV heads x head "
+            f"dim {m.get('head_dim')}, boundary {m.get('boundary')}; {m.get('prefills')} prefills, "
+            f"{m.get('decodes')} decode steps compared bit for bit with a colocated run"
+        )
     violations = result.violations
     if not violations:
-        console.print("[green]ok[/]: no invariant violated, every byte decode read was right")
+        console.print("[green]ok[/]: no invariant violated, every byte decode read was right"
+                      + (", every logit bit-exact" if m else ""))
         return
     print_violations(console, violations, level)
 
