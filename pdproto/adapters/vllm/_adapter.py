@@ -59,10 +59,6 @@ KNOWN: Mapping[str, Mapping[str, str]] = {
             "an abort after P finished prefill does not reach P's worker: it still matches D's "
             "registration and WRITEs the cancelled generation's KV into D's (still held) blocks"
         ),
-        "stale-generation": (
-            "as resurrection, after the client retried: P's WRITE for the old generation starts "
-            "after the new one was submitted"
-        ),
         "stuck": _STUCK,
     },
 }

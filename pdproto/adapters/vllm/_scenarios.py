@@ -65,6 +65,14 @@ SCENARIOS: dict[str, Scenario] = {
         "first, P prefills and WRITEs them, finished_sending frees P, finished_recving lets D decode).",
         [SUBMIT],
     ),
+    "vllm-failed-read-fails-request": Scenario(
+        "pull",
+        "vLLM pull: D's READ fails. The worker reports failed_recving and the blocks as invalid; under "
+        "kv_load_failure_policy 'fail' the scheduler fails the request and frees D's blocks; P, never "
+        "told, frees its blocks when the lease runs out. Clean: no commit on the failed load (compare "
+        "vllm-project/vllm#52234).",
+        [SUBMIT, _p(), _p(), _d(), ("fail_transfer", "net", ("r1", 0))],
+    ),
     "vllm-cancel-waiting-late-recving": Scenario(
         "pull",
         "vLLM pull: the client aborts while D waits in WAITING_FOR_REMOTE_KVS. D keeps its blocks "
@@ -87,6 +95,13 @@ SCENARIOS: dict[str, Scenario] = {
         "request's prefill takes those blocks while the READ still runs.",
         [SUBMIT, _p(), _p(), _d(), EXPIRE_LOST, _p()],
         requests=2,
+    ),
+    "vllm-lease-before-read-foreign-block-access": Scenario(
+        "pull",
+        "vLLM pull: P's KV lease runs out before D's READ started (D stalled, heartbeats lost): P frees "
+        "the blocks, and D's scheduler still READs remote_block_ids from them (foreign-block-access); "
+        "P only logs 'Potentially invalid KV blocks for unrecognized request'.",
+        [SUBMIT, _p(), _p(), EXPIRE_LOST, _p(), _d()],
     ),
     "vllm-lost-read-report-stuck": Scenario(
         "pull",
