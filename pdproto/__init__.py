@@ -167,11 +167,16 @@ __all__ = [
     "TorchBackend",
     "KVCorruption",
     "KV_CORRUPTION",
+    # the model backend (loaded on first use)
+    "ModelBackend",
+    "LogitDivergence",
+    "LOGIT_DIVERGENCE",
 ]
 
-# The torch backend imports torch, which `import pdproto` must not: its names
-# are loaded on first use.
-_LAZY = frozenset({"TorchBackend", "KVCorruption", "KV_CORRUPTION"})
+# The backends import torch (and transformers), which `import pdproto` must
+# not: their names are loaded on first use.
+_LAZY = frozenset({"TorchBackend", "KVCorruption", "KV_CORRUPTION", "ModelBackend", "LogitDivergence",
+                   "LOGIT_DIVERGENCE"})
 
 
 def __getattr__(name: str) -> object:

@@ -91,6 +91,8 @@ PUBLIC = {
     "Adapter", "ModelAdapter", "load_adapter", "fuzz_adapter", "replay_on_adapter",
     # the torch backend, loaded on first use
     "TorchBackend", "KVCorruption", "KV_CORRUPTION",
+    # the model backend, loaded on first use
+    "ModelBackend", "LogitDivergence", "LOGIT_DIVERGENCE",
 }
 
 

@@ -1,15 +1,20 @@
 """Backends execute a history on real memory and verify the data decode reads.
 
-The torch backend needs the ``torch`` extra (``pip install 'pdproto[torch]'``);
-its names are loaded on first use, so importing this package imports no torch.
+The torch backend needs the ``torch`` extra (``pip install 'pdproto[torch]'``),
+the model backend (a real transformer beside it) the ``model`` extra; their
+names are loaded on first use, so importing this package imports neither
+torch nor transformers.
 """
 
 from __future__ import annotations
 
-__all__ = ["KV_CORRUPTION", "KVCorruption", "TorchBackend"]
+__all__ = ["KV_CORRUPTION", "KVCorruption", "TorchBackend", "LOGIT_DIVERGENCE", "LogitDivergence", "ModelBackend",
+           "BUILTIN_MODELS"]
 
 _LAZY = {name: "._torch" for name in ("KV_CORRUPTION", "KVCorruption", "TorchBackend", "KVLayout", "rank_heads",
                                        "parse_tp", "TORCH_DTYPES", "DEFAULT_MAX_MEMORY")}
+_LAZY.update({name: "._transformer" for name in ("LOGIT_DIVERGENCE", "LogitDivergence", "ModelBackend")})
+_LAZY.update({name: "._builtin_models" for name in ("BUILTIN_MODELS", "LoadedModel")})
 
 
 def __getattr__(name: str) -> object:
