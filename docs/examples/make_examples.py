@@ -94,28 +94,17 @@ def pull_handoff(r="r1", gen=0):
     ]
 
 
-def recompute_handoff(r="r1", gen=0, first_at=5):
+def recompute_handoff(first_at=5):
     """A clean pull handoff under vLLM's first-token convention (header
     ``boundary: recompute``): P's sampled token (7) is discarded; D recomputes
-    the last prompt token (55, position 5) and its output is the first token."""
-    t, x = f"t-{r}-{gen}", f"x-{r}-{gen}"
+    the last prompt token (55, position 5) and its output (8) is the first
+    token.  ``first_at=6``: D feeds P's discarded token at prompt_len instead."""
     first_in = 55 if first_at == 5 else 7
-    return [
-        ("submit", Submit(r, gen, prompt_len=6, max_new_tokens=2)),
-        ("prefill_start", PrefillStart(r, gen, "P0", (0, 1))),
-        ("prefill_done", PrefillDone(r, gen, "P0", first_token=7, processed_len=6)),
-        ("reserve", Reserve(r, gen, t, "D0", (3, 4))),
-        ("transfer_start", TransferStart(x, t, r, gen, "P0", (0, 1), "D0", (3, 4))),
-        ("write_done", TransferWriteDone(x)),
-        ("read_done", TransferReadDone(x)),
-        ("free_p", Free("P0", (0, 1), request=r, gen=gen)),
-        ("commit", Commit(r, gen, t, "D0")),
-        ("decode1", Decode(r, gen, "D0", position=first_at, input_token=first_in, output_token=8,
-                           blocks=(3, 4))),
-        ("decode2", Decode(r, gen, "D0", position=first_at + 1, input_token=8, output_token=9, blocks=(3, 4))),
-        ("finish", Finish(r, gen, reason="length")),
-        ("free_d", Free("D0", (3, 4), request=r, gen=gen)),
-    ]
+    return replace(
+        pull_handoff(), "decode1",
+        ("decode1", Decode("r1", 0, "D0", position=first_at, input_token=first_in, output_token=8, blocks=(3, 4))),
+        ("decode2", Decode("r1", 0, "D0", position=first_at + 1, input_token=8, output_token=9, blocks=(3, 4))),
+    )
 
 
 # -- format 1.1 ------------------------------------------------------------

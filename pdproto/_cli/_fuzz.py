@@ -126,37 +126,11 @@ def run(args: argparse.Namespace, console: Any) -> int:
     return print_result(result, args.json, lambda: _report(console, result.to_dict(), result.failure))
 
 
-@contextlib.contextmanager
 def _progress(console: Any, args: argparse.Namespace, stats: Any, name: str) -> Any:
     """A live status line on standard error (only on a terminal)."""
-    if args.json or not sys.stderr.isatty():
-        yield
-        return
-    from rich.console import Console
-    from rich.live import Live
-
-    err = Console(stderr=True)
-
-    def line() -> str:
-        return (f"fuzzing {name}: {stats.examples}/{args.examples} examples, {stats.steps} steps, "
-                f"{stats.distinct_states} distinct states")
-
-    with Live(line(), console=err, refresh_per_second=5, transient=True) as live:
-        import threading
-
-        stop = threading.Event()
-
-        def tick() -> None:
-            while not stop.wait(0.2):
-                live.update(line())
-
-        thread = threading.Thread(target=tick, daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
+    return _status(console, args, lambda: (
+        f"fuzzing {name}: {stats.examples}/{args.examples} examples, {stats.steps} steps, "
+        f"{stats.distinct_states} distinct states"))
 
 
 def _report(console: Any, result: dict[str, Any], failure: Any) -> None:
@@ -229,22 +203,23 @@ def run_adapter(args: argparse.Namespace, console: Any) -> int:
 
 @contextlib.contextmanager
 def _status(console: Any, args: argparse.Namespace, text: Any) -> Any:
-    """A live status line on standard error (only on a terminal); ``text`` is
-    a string or a function returning one."""
+    """A live status line on standard error, refreshed five times a second
+    (only on a terminal); ``text`` is a string or a function returning one."""
     if args.json or not sys.stderr.isatty():
         yield
         return
+    import threading
+
     from rich.console import Console
+    from rich.live import Live
 
     line = text if callable(text) else (lambda: text)
-    with Console(stderr=True).status(line()) as status:
-        import threading
-
+    with Live(line(), console=Console(stderr=True), refresh_per_second=5, transient=True) as live:
         stop = threading.Event()
 
         def tick() -> None:
             while not stop.wait(0.2):
-                status.update(line())
+                live.update(line())
 
         thread = threading.Thread(target=tick, daemon=True)
         thread.start()

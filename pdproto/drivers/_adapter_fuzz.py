@@ -174,35 +174,32 @@ def run_actions(
     (``run.violation``); ``on_step(adapter)`` is called after every step."""
     adapter.reset()
     run = _Run(adapter)
+
+    def progress(offered: Sequence[Action]) -> Action | None:
+        return next((a for a in offered if not a.fault), None)
+
     try:
-        while True:
-            offered = adapter.actions()
-            action = choose(offered) if offered else None
-            if action is None:
-                break
-            v = _first_new(run.apply(action), ignore)
-            if on_step is not None:
-                on_step(adapter)
-            if v is not None:
-                run.violation = v
-                return run
+        phases = ((choose, None), (progress, DRAIN_LIMIT)) if drain else ((choose, None),)
+        for pick, limit in phases:  # the drawn steps, then the drain
+            taken = 0
+            while True:
+                offered = adapter.actions()
+                action = pick(offered) if offered else None
+                if action is None:
+                    break
+                if limit is not None and taken == limit:
+                    run.violation = _first_new([Violation(
+                        "no-quiescence", len(run.events) + 1,
+                        f"the system did not go quiet within {limit} progress steps after the drawn ones",
+                    )], ignore)
+                    return run
+                taken += 1
+                run.violation = _first_new(run.apply(action), ignore)
+                if on_step is not None:
+                    on_step(adapter)
+                if run.violation is not None:
+                    return run
         if not drain:
-            return run
-        for _ in range(DRAIN_LIMIT):
-            progress = next((a for a in adapter.actions() if not a.fault), None)
-            if progress is None:
-                break
-            v = _first_new(run.apply(progress), ignore)
-            if on_step is not None:
-                on_step(adapter)
-            if v is not None:
-                run.violation = v
-                return run
-        else:
-            run.violation = _first_new([Violation(
-                "no-quiescence", len(run.events) + 1,
-                f"the system did not go quiet within {DRAIN_LIMIT} progress steps after the drawn ones",
-            )], ignore)
             return run
         run.complete = True
         run.violation = _first_new(run.monitor.end_violations(), ignore)
