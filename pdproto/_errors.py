@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "PdprotoError",
+    "FileFormatError",
     "HistoryFormatError",
     "UsageError",
     "LimitError",
@@ -33,19 +34,24 @@ class UsageError(PdprotoError, ValueError):
         super().__init__(f"{what}: {value!r} is not allowed; expected {allowed}")
 
 
-class HistoryFormatError(PdprotoError, ValueError):
-    """A history that does not follow the format.
+class FileFormatError(PdprotoError, ValueError):
+    """A file that does not follow its format (a history, a trace).
 
     ``source`` names the file (or ``<stdin>``), ``line`` is 1-based (0 when
-    the problem is not tied to a line), ``field`` the offending key (or None),
-    ``value`` the offending value, and ``problem`` says what was expected.
+    the problem is not tied to a line), ``field`` the offending key or
+    column (or None), ``value`` the offending value, and ``problem`` says
+    what was expected.  The message is ``source:line: field 'f': problem``,
+    with `` (got value)`` added where the kind of file says so.
     """
+
+    #: whether the message ends with the offending value
+    SHOW_VALUE = False
 
     def __init__(
         self,
         problem: str,
         *,
-        source: str = "<history>",
+        source: str = "<file>",
         line: int = 0,
         field: str | None = None,
         value: object = None,
@@ -57,7 +63,26 @@ class HistoryFormatError(PdprotoError, ValueError):
         self.value = value
         where = f"{source}:{line}" if line else source
         what = f" field {field!r}:" if field is not None else ""
-        super().__init__(f"{where}:{what} {problem}")
+        got = ""
+        if self.SHOW_VALUE and value is not None:
+            shown = value[:40] + "..." if isinstance(value, str) and len(value) > 40 else value
+            got = f" (got {shown!r})"
+        super().__init__(f"{where}:{what} {problem}{got}")
+
+
+class HistoryFormatError(FileFormatError):
+    """A history that does not follow the format (see :class:`FileFormatError`)."""
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        source: str = "<history>",
+        line: int = 0,
+        field: str | None = None,
+        value: object = None,
+    ) -> None:
+        super().__init__(problem, source=source, line=line, field=field, value=value)
 
     def located(self, source: str, line: int) -> "HistoryFormatError":
         """The same error, placed at ``source``:``line``."""
@@ -155,7 +180,9 @@ def parse_int(text: str, what: str, *, minimum: int | None = None, maximum: int 
     digits, within ``[minimum, maximum]``.  Raises :class:`UsageError`
     naming ``what``."""
     bounds = _bounds(minimum, maximum)
-    s = text.strip() if isinstance(text, str) else ""
+    # ASCII whitespace only: str.strip also drops characters such as '\x1f'
+    # that int() refuses around a number
+    s = text.strip(" \t\n\r\x0b\x0c") if isinstance(text, str) else ""
     digits = s[1:] if s[:1] in ("+", "-") else s
     if not (digits and digits.isascii() and digits.replace("_", "").isdigit()
             and not digits.startswith("_") and not digits.endswith("_") and "__" not in digits):

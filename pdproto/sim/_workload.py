@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from .._errors import PdprotoError, UsageError
+from .._errors import FileFormatError, UsageError
 
 __all__ = [
     "ARRIVALS",
@@ -73,31 +73,21 @@ MAX_LEN = 2**31
 MAX_TIME = 1e12
 
 
-class TraceFormatError(PdprotoError, ValueError):
+class TraceFormatError(FileFormatError):
     """A trace file that cannot be read.
 
     ``source`` names the file, ``line`` is 1-based (0 when the problem is
     not tied to a line), ``field`` the offending column or key (or None),
-    ``value`` the offending value, ``problem`` what was expected.
+    ``value`` the offending value (shown in the message, cut to 40
+    characters), ``problem`` what was expected.
     """
+
+    SHOW_VALUE = True
 
     def __init__(
         self, problem: str, *, source: str, line: int = 0, field: str | None = None, value: object = None
     ) -> None:
-        self.problem = problem
-        self.source = source
-        self.line = line
-        self.field = field
-        self.value = value
-        where = f"{source}:{line}" if line else source
-        what = f" field {field!r}:" if field is not None else ""
-        got = f" (got {_short(value)!r})" if value is not None else ""
-        super().__init__(f"{where}:{what} {problem}{got}")
-
-
-def _short(value: object) -> object:
-    """``value`` for a message: a long string cut to 40 characters."""
-    return value[:40] + "..." if isinstance(value, str) and len(value) > 40 else value
+        super().__init__(problem, source=source, line=line, field=field, value=value)
 
 
 # -- validators ---------------------------------------------------------------
