@@ -16,6 +16,7 @@ Importing pdproto imports neither torch, rich nor hypothesis.
 """
 
 from ._errors import HistoryFormatError as HistoryFormatError
+from ._errors import FileFormatError as FileFormatError
 from ._errors import LimitError as LimitError
 from ._errors import MissingExtraError as MissingExtraError
 from ._errors import ModelLoadError as ModelLoadError
@@ -92,6 +93,7 @@ __all__ = [
     # errors
     "PdprotoError",
     "HistoryFormatError",
+    "FileFormatError",
     "UsageError",
     "LimitError",
     "MissingExtraError",

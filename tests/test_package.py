@@ -73,7 +73,7 @@ def test_version(capsys):
 #: renaming one breaks users.
 PUBLIC = {
     # errors
-    "PdprotoError", "HistoryFormatError", "UsageError", "LimitError", "MissingExtraError",
+    "PdprotoError", "HistoryFormatError", "FileFormatError", "UsageError", "LimitError", "MissingExtraError",
     "ModelLoadError",
     # the spec
     "Event", "EVENT_TYPES", "Submit", "Reserve", "PrefillStart", "PrefillDone", "Alloc",
