@@ -281,10 +281,10 @@ class VllmAdapter:
         parts.append(tuple(sorted((r, g.gen, g.terminal) for r, g in self.gens.items())))
         return tuple(parts)
 
-    def decision(self, event: Event) -> Action | None:
-        """The action that makes the engine do what ``event`` records, or
-        None when the event only follows from an earlier decision (it comes
-        out of the same action)."""
+    def decision(self, event: Event) -> Action | tuple[Action, ...] | None:
+        """The action (or the actions, the silent ones first) that make the
+        engine do what ``event`` records, or None when the event only
+        follows from an earlier decision (it comes out of the same action)."""
         ev = event.EV
         if ev == "submit":
             return Action("submit", "client", (event.request,)) if event.gen == 0 else \
@@ -304,7 +304,11 @@ class VllmAdapter:
                 return Action("fail_transfer", "net", (r, gen), fault=True)
             return None
         if ev == "commit":
-            return Action("step", "D0", ("D0",))
+            step = Action("step", "D0", ("D0",))
+            g = self.gens.get(event.request)
+            if g is not None and g.d_id not in self.h.sched["D"].finished_recving_kv_req_ids:
+                return (step, step)  # the first step only delivers finished_recving
+            return step
         if ev == "decode":
             g = self.gens.get(event.request)
             if g is not None and g.committed and event.position == len(g.prompt) - 1:
@@ -317,16 +321,31 @@ class VllmAdapter:
         if ev == "free":
             g = self.gens.get(event.request) if event.request else None
             if event.worker == "P0":
-                if self.h.worker_has_output("P") or self.h.connector_pending("P"):
-                    return Action("step", "P0", ("P0",))
-                target = self._expire_target(heartbeats=True)
-                if target is not None:
-                    return Action("expire", "clock", (), fault=target[1])
-                return None
+                return self._decide_p_free()
             if g is not None and g.terminal in ("cancel",) and g.d_id in self.h.sched["D"].requests:
                 return Action("step", "D0", ("D0",))
             return None
-        return None  # prefill_done, alloc, transfer_write_done, finish, fail: consequences
+        if ev == "fail":
+            g = self.gens.get(event.request)
+            if g is not None and g.terminal is None and self.h.worker_has_output("D"):
+                return Action("step", "D0", ("D0",))  # D reads the failed load's report
+            return None
+        return None  # prefill_done, alloc, transfer_write_done, finish: consequences
+
+    def _decide_p_free(self) -> Action | tuple[Action, ...] | None:
+        """What frees blocks at P next: a step that reads a notification or
+        reaps a due lease, else time passing to a lease deadline and the
+        step after (first a step that ships P's new leases, if any)."""
+        step = Action("step", "P0", ("P0",))
+        if self.h.worker_has_output("P"):
+            return step
+        ship = (step,) if self.h.connector_pending("P") else ()
+        leases = set(self.h.workers["P"].reqs_to_send) | set(self.h.nixl("P")._reqs_need_send)
+        if not leases:
+            return ship[0] if ship else None
+        if leases - self._heartbeated():
+            return ship + (Action("expire", "clock", (), fault=bool(self._running())), step)
+        return ship + (Action("expire", "clock", ("heartbeats-lost",), fault=True), step)
 
     # -- the pieces ---------------------------------------------------------------------
 
