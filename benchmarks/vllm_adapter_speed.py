@@ -13,8 +13,10 @@ Per family (pull, push) it prints:
 - walk: examples/s and steps/s of plain random runs (random.Random picks
   among the offered actions, then the drain), which is the engine and the
   adapter alone;
-- fuzz: examples/s and steps/s of ``pdproto.drivers._adapter_fuzz.fuzz_adapter``
-  (Hypothesis draws, shrinking of what it finds), what ``pdproto fuzz
+- fuzz: examples/s (generated examples, the time spent shrinking included),
+  runs/s (every run of the engine, shrink runs included: what ``pdproto fuzz``
+  prints as examples per second) and steps/s of
+  ``pdproto.drivers._adapter_fuzz.fuzz_adapter``, what ``pdproto fuzz
   --adapter vllm:FAMILY`` does;
 - distinct real-state signatures reached (``adapter.signature()``), and
   the invariants found with whether the adapter's triage (``known``)
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 "examples": result.examples, "runs": result.runs, "steps": result.steps,
                 "seconds": round(result.seconds, 3),
                 "examples_per_s": round(result.examples / result.seconds, 1),
+                "runs_per_s": round(result.runs / result.seconds, 1),
                 "steps_per_s": round(result.steps / result.seconds, 1),
                 "signatures": result.signatures,
                 "found": {f.violation.invariant: f.known is not None for f in result.failures},
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  walk: {w['examples']} examples, {w['steps']} steps in {w['seconds']} s: "
                   f"{w['examples_per_s']} examples/s, {w['steps_per_s']} steps/s, {w['signatures']} signatures")
             print(f"  fuzz: {f['examples']} examples ({f['runs']} runs), {f['steps']} steps in {f['seconds']} s: "
-                  f"{f['examples_per_s']} examples/s, {f['steps_per_s']} steps/s, {f['signatures']} signatures")
+                  f"{f['examples_per_s']} examples/s ({f['runs_per_s']} runs/s), {f['steps_per_s']} steps/s, "
+                  f"{f['signatures']} signatures")
             found = ", ".join(f"{k} ({'known' if v else 'NOT TRIAGED'})" for k, v in f["found"].items())
             print(f"  found: {found or 'nothing'}")
     if args.json:
