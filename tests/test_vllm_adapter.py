@@ -58,6 +58,15 @@ def act(adapter, kind, actor, *args):
     raise AssertionError(f"{kind}{args} by {actor} not offered: {[str(a) for a in adapter.actions()]}")
 
 
+def reading(adapter):
+    """Reset, then r1 prefilled at P (lease shipped) and D's READ started."""
+    adapter.reset()
+    act(adapter, "submit", "client", "r1")
+    act(adapter, "step", "P0", "P0")
+    act(adapter, "step", "P0", "P0")
+    act(adapter, "step", "D0", "D0")
+
+
 def drain(adapter):
     events = []
     for _ in range(500):
@@ -116,11 +125,7 @@ def test_an_action_not_offered_raises_and_changes_nothing(pull):
 
 
 def test_faults_are_marked(pull):
-    pull.reset()
-    act(pull, "submit", "client", "r1")
-    act(pull, "step", "P0", "P0")
-    act(pull, "step", "P0", "P0")
-    act(pull, "step", "D0", "D0")
+    reading(pull)
     offered = {a.kind: a.fault for a in pull.actions()}
     assert offered["complete"] is False and offered["submit"] is False and "step" not in offered
     for kind in ("abort", "fail_transfer", "restart", "expire"):
@@ -131,11 +136,7 @@ def test_faults_are_marked(pull):
 
 
 def test_cancel_at_d_while_waiting_keeps_blocks_until_the_late_notification(pull):
-    pull.reset()
-    act(pull, "submit", "client", "r1")
-    act(pull, "step", "P0", "P0")
-    act(pull, "step", "P0", "P0")
-    act(pull, "step", "D0", "D0")
+    reading(pull)
     held = pull.h.block_ids("D")["r1.0-d"]
     events = act(pull, "abort", "client", "r1")
     assert [e.EV for e in events] == ["cancel"]  # no free: the READ may still write them
