@@ -72,8 +72,7 @@ class _Gen:
     and D) sees it."""
 
     __slots__ = ("request", "gen", "prompt", "max_tokens", "p_id", "d_id", "ticket", "transfer",
-                 "terminal", "p_added", "d_added", "p_inc", "d_inc", "reserved", "committed", "started",
-                 "decodes")
+                 "terminal", "p_added", "d_added", "p_inc", "d_inc", "reserved", "committed")
 
     def __init__(self, request: str, gen: int, prompt: list[int], max_tokens: int) -> None:
         self.request = request
@@ -91,8 +90,6 @@ class _Gen:
         self.d_inc = 0  # D's incarnation that holds the target blocks
         self.reserved = False
         self.committed = False
-        self.started = False
-        self.decodes = 0
 
 
 class VllmAdapter:
@@ -443,9 +440,6 @@ class VllmAdapter:
 
     # -- observing one engine step ------------------------------------------------------------
 
-    def _owner(self, side: str, rid: str) -> _Gen | None:
-        return self.by_id.get(rid)
-
     def _step(self, side: str, out: list[Event]) -> None:
         from vllm.v1.request import RequestStatus
 
@@ -463,7 +457,7 @@ class VllmAdapter:
             new = [b for b in blocks1[rid] if b not in blocks0.get(rid, [])]
             if not new:
                 continue
-            g = self._owner(side, rid)
+            g = self.by_id.get(rid)
             if g is None:
                 continue
             if side == "P":
@@ -485,7 +479,7 @@ class VllmAdapter:
                     out.append(Alloc(g.request, g.gen, worker, new))
         if side == "D":
             for rid in so.num_scheduled_tokens:
-                g = self._owner(side, rid)
+                g = self.by_id.get(rid)
                 if g is not None and not g.committed and status0.get(rid) == RequestStatus.WAITING_FOR_REMOTE_KVS:
                     g.committed = True
                     out.append(Commit(g.request, g.gen, g.ticket, worker))
@@ -504,7 +498,7 @@ class VllmAdapter:
         outs = h.update(side, so, output)
         engine_outputs = [o for eo in outs.values() for o in eo.outputs]
         for o in engine_outputs:
-            g = self._owner(side, o.request_id)
+            g = self.by_id.get(o.request_id)
             if g is None or not o.new_token_ids:
                 continue
             token = o.new_token_ids[-1]
@@ -520,12 +514,11 @@ class VllmAdapter:
                 if o.request_id not in positions:
                     continue
                 position, input_token = positions[o.request_id]
-                g.decodes += 1
                 out.append(Decode(g.request, g.gen, worker, position, input_token, token,
                                   blocks1.get(o.request_id, blocks0.get(o.request_id, []))))
         # endings the engine reached (D finishes, D fails a load)
         for o in engine_outputs:
-            g = self._owner(side, o.request_id)
+            g = self.by_id.get(o.request_id)
             if g is None or o.finish_reason is None or g.terminal is not None:
                 continue
             if side == "D" or o.finish_reason.name not in ("LENGTH", "STOP"):
@@ -555,7 +548,6 @@ class VllmAdapter:
             t.state = "failed"
             self.h.workers["P"].push_failed.add(t.p_id)
             return
-        g.started = True
         out.append(TransferStart(g.transfer, g.ticket, g.request, g.gen, "P0", t.src_blocks, "D0", t.dst_blocks))
 
     def _frees(self, side: str, owners: dict[str, list[int]], refs0: list[int], out: list[Event]) -> None:
@@ -567,7 +559,7 @@ class VllmAdapter:
             mine = [b for b in owners[rid] if b in freed]
             if not mine:
                 continue
-            g = self._owner(side, rid)
+            g = self.by_id.get(rid)
             if g is None:
                 out.append(Free(f"{side}0", mine))
             else:
