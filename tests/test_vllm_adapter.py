@@ -264,3 +264,24 @@ def test_supported_range(monkeypatch):
     monkeypatch.setattr(_support, "vllm_version", lambda: None)
     with pytest.raises(MissingExtraError, match=r"pdproto\[vllm\]"):
         _support.require_vllm()
+
+
+def test_a_media_package_built_for_another_torch_is_one_clear_error(monkeypatch):
+    import importlib
+
+    from pdproto import UsageError
+    from pdproto.adapters.vllm import _support
+
+    def broken(name):
+        raise RuntimeError("operator torchvision::nms does not exist")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(UsageError, match=r"torchvision failed.*pip uninstall -y torchvision torchaudio torchcodec"):
+        _support.import_vllm()
+
+    def other(name):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(importlib, "import_module", other)
+    with pytest.raises(RuntimeError, match="something else"):
+        _support.import_vllm()

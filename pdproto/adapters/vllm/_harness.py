@@ -43,9 +43,10 @@ import tempfile
 import time as _time
 from typing import Any
 
-from ._support import require_vllm
+from ._support import import_vllm, require_vllm
 
 require_vllm()
+import_vllm()
 
 import logging  # noqa: E402
 

