@@ -237,7 +237,7 @@ def _report_adapter(console: Any, result: Any) -> None:
     verdict = "[green]ok[/]" if d["ok"] else "[red]VIOLATION[/]"
     table = Table(title=f"pdproto fuzz --adapter {esc(d['adapter'])}: {verdict}", show_header=False)
     for key in ("examples", "runs", "steps", "seconds", "startup_seconds", "examples_per_second",
-                "steps_per_second", "signatures", "seed"):
+                "runs_per_second", "steps_per_second", "signatures", "seed"):
         if d.get(key) is not None:
             table.add_row(key.replace("_", " "), str(d[key]))
     table.add_row("action kinds", ", ".join(f"{k} {n}" for k, n in d["action_kinds"].items()) or "-")
