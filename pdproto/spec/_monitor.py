@@ -36,6 +36,7 @@ only to name witnesses.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import attrs
@@ -178,6 +179,11 @@ class _Transfer(NamedTuple):
 class _Ticket(NamedTuple):
     gen: tuple[str, int]
     worker: str
+
+
+# a record from a tuple of all its fields: cheaper than ``_replace`` on the hot paths
+_new_transfer = partial(tuple.__new__, _Transfer)
+_new_gen = partial(tuple.__new__, _Gen)
 
 
 def _fmt_gen(key: tuple[str, int]) -> str:
@@ -571,7 +577,25 @@ class Monitor:
         owner = self._owner
         shared = self._shared
         lines = self._lines
-        for b in self._capacity(event, worker, blocks, line):
+        inside = self._capacity(event, worker, blocks, line)
+        if not self._quarantine and not shared and len(set(inside)) == len(inside):
+            # the common case (no quarantined or shared block, distinct
+            # blocks): what the loop below does, with one owner lookup per
+            # block.  ``key`` is this event's own tuple, so a block owned
+            # before (by anyone) returns another object
+            setdefault = owner.setdefault
+            for b in inside:
+                wb = (worker, b)
+                held = setdefault(wb, key)
+                if held is not key:
+                    self._double_allocation(event, key, wb, f"already owned by {_fmt_gen(held)}", line)
+                    self._release_ticket_block(wb)
+                    owner[wb] = key
+                lines[("alloc", wb)] = line
+            if self.block_size is not None:
+                self._extend_table(key, worker, blocks, own=True)
+            return
+        for b in inside:
             wb = (worker, b)
             if wb in self._quarantine:
                 self._take_quarantined(event, key, wb, line)
@@ -684,28 +708,35 @@ class Monitor:
             )
             return  # one report per event and side is enough
 
-    def _index_remove(self, index: dict, blocks_of: Iterable[tuple[str, int]], tid: str) -> None:
-        for wb in blocks_of:
-            tids = index.get(wb)
-            if tids is None:
-                continue
+    @staticmethod
+    def _index_remove(index: dict, worker: str, blocks: tuple[int, ...], tid: str) -> None:
+        """Drop ``tid`` from the index entries of ``blocks`` on ``worker`` (an
+        entry left empty goes)."""
+        if not index:
+            return
+        pop = index.pop
+        for b in blocks:
+            wb = (worker, b)
+            tids = pop(wb, None)
+            if tids is None or (len(tids) == 1 and tid in tids):
+                continue  # (the common case: ``tid`` alone used it)
             rest = tids - {tid}
             if rest:
                 index[wb] = rest
-            else:
-                del index[wb]
 
     def _stop(self, tid: str, t: _Transfer, reading: bool, writing: bool) -> None:
         """Mark transfer ``tid`` as no longer reading and/or writing."""
         if reading and t.reading:
-            self._index_remove(self._reading, ((t.src, b) for b in t.src_blocks), tid)
+            self._index_remove(self._reading, t.src, t.src_blocks, tid)
         if writing and t.writing:
-            dst = [(t.dst, b) for b in t.dst_blocks]
-            self._index_remove(self._writing, dst, tid)
-            for wb in dst:
-                if wb in self._quarantine and wb not in self._writing:
-                    del self._quarantine[wb]
-        t = t._replace(reading=t.reading and not reading, writing=t.writing and not writing)
+            self._index_remove(self._writing, t.dst, t.dst_blocks, tid)
+            quarantine = self._quarantine
+            if quarantine:
+                for b in t.dst_blocks:
+                    wb = (t.dst, b)
+                    if wb in quarantine and wb not in self._writing:
+                        del quarantine[wb]
+        t = _new_transfer((*t[:6], t.reading and not reading, t.writing and not writing, *t[8:]))
         self._transfers[tid] = t
         if not (t.reading or t.writing):
             self._inflight.pop(tid, None)
@@ -740,7 +771,7 @@ class Monitor:
         else:
             self._max_gen[ev.request] = ev.gen
         g = self._gen(key)
-        self._gens[key] = g._replace(submitted=True, prompt_len=ev.prompt_len, max_new=ev.max_new_tokens)
+        self._gens[key] = _new_gen((True, g.terminal, ev.prompt_len, ev.max_new_tokens, *g[4:]))
         self._lines.setdefault(("submit", key), line)
 
     def _on_reserve(self, ev: Reserve, line: int) -> None:
@@ -763,8 +794,9 @@ class Monitor:
         self._lines[("ticket", ev.ticket)] = line
         self._ticket_left[ev.ticket] = len(set(ev.blocks))
         self._open_tickets[key] = self._open_tickets.get(key, 0) + 1
+        block_ticket, worker, ticket = self._block_ticket, ev.worker, ev.ticket
         for b in ev.blocks:
-            self._block_ticket[(ev.worker, b)] = ev.ticket
+            block_ticket[(worker, b)] = ticket
 
     def _on_prefill_start(self, ev: PrefillStart, line: int) -> None:
         key = (ev.request, ev.gen)
@@ -786,7 +818,7 @@ class Monitor:
         key = (ev.request, ev.gen)
         g = self._gen(key)
         cached = self._share_tokens.get((key, ev.worker), 0) if self._share_tokens else 0
-        self._gens[key] = g._replace(first_token=ev.first_token, processed_len=ev.processed_len, cached=cached)
+        self._gens[key] = _new_gen((*g[:4], ev.first_token, ev.processed_len, cached))
         self._lines[("prefill_done", key)] = line
 
     def _on_alloc(self, ev: Alloc, line: int) -> None:
@@ -818,12 +850,14 @@ class Monitor:
                       layers=ev.layers, tokens=ev.tokens)
         self._transfers[tid] = t
         self._inflight[tid] = True
-        for b in ev.src_blocks:
-            wb = (ev.src, b)
-            self._reading[wb] = self._reading.get(wb, frozenset()) | {tid}
-        for b in ev.dst_blocks:
-            wb = (ev.dst, b)
-            self._writing[wb] = self._writing.get(wb, frozenset()) | {tid}
+        alone = frozenset((tid,))  # this event's own object: an earlier entry is another
+        for index, worker, blocks in ((self._reading, ev.src, ev.src_blocks), (self._writing, ev.dst, ev.dst_blocks)):
+            setdefault = index.setdefault
+            for b in blocks:
+                wb = (worker, b)
+                tids = setdefault(wb, alone)
+                if tids is not alone:
+                    index[wb] = tids | alone
         self._ticket_transfers[ev.ticket] = self._ticket_transfers.get(ev.ticket, ()) + (tid,)
         self._lines[("transfer", tid)] = line
 
@@ -838,13 +872,14 @@ class Monitor:
             if t.writing:
                 self._stop(ev.transfer, t, False, True)
                 t = self._transfers[ev.transfer]
-            self._transfers[ev.transfer] = t._replace(write_done=True)
+            self._transfers[ev.transfer] = _new_transfer((*t[:8], True, *t[9:]))
 
     def _on_transfer_failed(self, ev: TransferFailed, line: int) -> None:
         t = self._known_transfer(ev, line)
         if t is not None:
             self._stop(ev.transfer, t, True, True)
-            self._transfers[ev.transfer] = self._transfers[ev.transfer]._replace(failed=True)
+            t = self._transfers[ev.transfer]
+            self._transfers[ev.transfer] = _new_transfer((*t[:9], True, *t[10:]))
             self._lines[("failed", ev.transfer)] = line
 
     def _on_transfer_abort(self, ev: TransferAbort, line: int) -> None:
@@ -1121,7 +1156,7 @@ class Monitor:
             self._check_live(ev, key, line, resurrect=False)
         g = self._gen(key)
         if not g.terminal:
-            self._gens[key] = g._replace(terminal=True)
+            self._gens[key] = _new_gen((g.submitted, True, *g[2:]))
             self._lines[("end", key)] = line
 
     def _bad_free(self, ev: Free, line: int, block: int, message: str, witness: int | None) -> None:
@@ -1135,9 +1170,13 @@ class Monitor:
         early_read: dict[tuple, list[int]] = {}
         early_write: dict[tuple, list[int]] = {}
         shared = self._shared
+        reading = self._reading
+        writing = self._writing
+        block_ticket = self._block_ticket
+        request, gen = ev.request, ev.gen
         for b in self._capacity(ev, worker, ev.blocks, line):
             wb = (worker, b)
-            held = owner.get(wb)
+            held = owner.pop(wb, None)  # (released below whatever the checks find)
             if held is None and shared and wb in shared:
                 held = self._free_shared(ev, wb, line)
                 if held is None:
@@ -1147,20 +1186,26 @@ class Monitor:
                 self._bad_free(ev, line, b, f"free of block {b} on {worker!r}, which is {why}",
                                lines.get(("free", wb)))
                 continue
-            if ev.request is not None and (
-                held[0] != ev.request or (ev.gen is not None and held[1] != ev.gen)
-            ):
-                named = ev.request if ev.gen is None else _fmt_gen((ev.request, ev.gen))
+            if request is not None and (held[0] != request or (gen is not None and held[1] != gen)):
+                named = request if gen is None else _fmt_gen((request, gen))
                 self._bad_free(ev, line, b, f"free of block {b} on {worker!r} for {named}, but "
                                f"{_fmt_gen(held)} owns it", lines.get(("alloc", wb)))
-            readers = self._reading.get(wb)
-            if readers:
-                early_read.setdefault((held, readers), []).append(b)
-            writers = self._writing.get(wb)
-            if writers:
-                early_write.setdefault((held, writers), []).append(b)
-            owner.pop(wb, None)  # (a shared block left _shared already)
-            self._release_ticket_block(wb)
+            if reading:
+                readers = reading.get(wb)
+                if readers:
+                    early_read.setdefault((held, readers), []).append(b)
+            if writing:
+                writers = writing.get(wb)
+                if writers:
+                    early_write.setdefault((held, writers), []).append(b)
+            if block_ticket:  # _release_ticket_block, inline
+                ticket = block_ticket.pop(wb, None)
+                if ticket is not None:
+                    left = self._ticket_left.get(ticket, 0) - 1
+                    if left > 0:
+                        self._ticket_left[ticket] = left
+                    else:
+                        self._close_ticket(ticket)
             lines[("free", wb)] = line
         for invariant, found, verb in (
             ("early-source-free", early_read, "read"),
