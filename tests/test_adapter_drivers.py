@@ -177,6 +177,21 @@ def test_replay_on_an_adapter_matches_divergences_and_violations(tmp_path):
     assert "transfer_failed" in ref.divergences[0].message
 
 
+def test_replay_of_a_complete_history_applies_the_end_checks(tmp_path):
+    out = tmp_path / "leak.jsonl"
+    result = fuzz_adapter(LeakyEngine(crash=False), examples=50, steps=10, seed=1, out=out)
+    assert [f.violation.invariant for f in result.failures] == ["leak"]
+
+    class Deciding(LeakyEngine):
+        def decision(self, event):
+            kinds = {"submit": "submit", "prefill_start": "prefill", "cancel": "cancel"}
+            return next((a for a in self.actions() if a.kind == kinds.get(event.EV)), None)
+
+    replayed = replay_on_adapter(out, Deciding(crash=False))
+    assert not replayed.divergences
+    assert [(v.invariant, v.line) for v in replayed.violations] == [("leak", result.failures[0].violation.line)]
+
+
 def test_replay_reports_a_refused_decision(tmp_path):
     path = tmp_path / "h.jsonl"
     lines = [LeakyEngine.header.to_dict(), Submit("r0", 0, prompt_len=3).to_dict(),

@@ -136,9 +136,11 @@ def replay_on_adapter(path: str | os.PathLike[str], adapter: Any) -> AdapterRepl
                          "an adapter that offers decision(event) (docs/adapters.md)")
     with open_history(path) as reader:
         history = [(line, event) for line, event in reader]
+        complete = reader.header.complete
     source = os.fspath(path)
     adapter.reset()
-    monitor = Monitor.from_header(adapter.header)
+    # a complete history ran until the system went quiet: so must the re-enactment
+    monitor = Monitor.from_header(attrs.evolve(adapter.header, complete=complete))
     hist_owner: dict[str, tuple[Any, Any]] = {}
     keys = [event_key(e, hist_owner) for _, e in history]
     engine_owner: dict[str, tuple[Any, Any]] = {}
@@ -183,6 +185,8 @@ def replay_on_adapter(path: str | os.PathLike[str], adapter: Any) -> AdapterRepl
         if not matched[i]:
             divergences.append(Divergence("missing", line, f"{_brief(event)}: the engine took {action} but "
                                           "did not do it"))
+    monitor.line = history[-1][0] if history else 1  # the end checks name the history's last line
+    monitor.finish()
     return AdapterReplayResult(
         adapter=getattr(adapter, "name", type(adapter).__name__),
         history=source,
