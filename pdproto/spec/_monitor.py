@@ -272,8 +272,11 @@ class Monitor:
         "commit": "gen",
         "decode": "gen",
         "end": "gen",
-        "alloc": "block",
-        "free": "block",
+        # (tag, worker) -> {block: line}: one small table per worker, so that
+        # the per-block bookkeeping of an event costs no tuple and no lookup
+        # in one big table
+        "alloc": "worker-blocks",
+        "free": "worker-blocks",
         "restart": "id",
         "ticket": "id",
         "transfer": "id",
@@ -320,7 +323,7 @@ class Monitor:
         self._out: list[Violation] = []
         for name in self._VERDICT:
             setattr(self, name, {})
-        self._lines: dict[tuple, int] = {}
+        self._lines: dict[tuple, Any] = {}
 
     @classmethod
     def from_header(
@@ -414,7 +417,8 @@ class Monitor:
         new._out = []
         for name in self._VERDICT:
             setattr(new, name, dict(getattr(self, name)))
-        new._lines = dict(self._lines)
+        # (the per-worker tables of block lines are copied too)
+        new._lines = {k: v.copy() if type(v) is dict else v for k, v in self._lines.items()}
         return new
 
     def key(self) -> tuple:
@@ -482,7 +486,12 @@ class Monitor:
         if self.workers is not None:
             new.workers = {f["id"](w): spec for w, spec in self.workers.items()}
         tags = self._LINE_TAGS
-        new._lines = {(tag, f[tags[tag]](x)): line for (tag, x), line in self._lines.items()}
+        new._lines = {}
+        for (tag, x), line in self._lines.items():
+            if tags[tag] == "worker-blocks":  # x: a worker; line: its blocks' lines
+                new._lines[(tag, f["id"](x))] = {blocks.get((x, b), b): n for b, n in line.items()}
+            else:
+                new._lines[(tag, f[tags[tag]](x))] = line
         return new
 
     # -- helpers ------------------------------------------------------------
@@ -497,6 +506,18 @@ class Monitor:
         else:
             lines = tuple(sorted({w for w in witness if w is not None and w != line}))
         self._out.append(Violation(invariant, line, message, lines, **data))
+
+    def _block_line(self, tag: str, wb: tuple[str, int]) -> int | None:
+        """The line of the last ``tag`` (alloc or free) of block ``wb``."""
+        per_block = self._lines.get((tag, wb[0]))
+        return None if per_block is None else per_block.get(wb[1])
+
+    def _block_lines(self, tag: str, worker: str) -> dict[int, int]:
+        """The table of ``tag`` (alloc or free) lines of ``worker``'s blocks."""
+        per_block = self._lines.get((tag, worker))
+        if per_block is None:
+            per_block = self._lines[(tag, worker)] = {}
+        return per_block
 
     def _gen(self, key: tuple[str, int]) -> _Gen:
         return self._gens.get(key, _NEW_GEN)
@@ -566,7 +587,7 @@ class Monitor:
             "double-allocation",
             line,
             f"{event.EV} of {_fmt_gen(key)} takes block {b} on {worker!r}, {why}",
-            [self._lines.get(("alloc", wb))],
+            [self._block_line("alloc", wb)],
             request=key[0],
             gen=key[1],
             worker=worker,
@@ -578,6 +599,11 @@ class Monitor:
         shared = self._shared
         lines = self._lines
         inside = self._capacity(event, worker, blocks, line)
+        if not inside:
+            if self.block_size is not None:
+                self._extend_table(key, worker, blocks, own=True)
+            return
+        lines = self._block_lines("alloc", worker)
         if not self._quarantine and not shared and len(set(inside)) == len(inside):
             # the common case (no quarantined or shared block, distinct
             # blocks): what the loop below does, with one owner lookup per
@@ -591,7 +617,7 @@ class Monitor:
                     self._double_allocation(event, key, wb, f"already owned by {_fmt_gen(held)}", line)
                     self._release_ticket_block(wb)
                     owner[wb] = key
-                lines[("alloc", wb)] = line
+                lines[b] = line
             if self.block_size is not None:
                 self._extend_table(key, worker, blocks, own=True)
             return
@@ -606,7 +632,7 @@ class Monitor:
                 self._double_allocation(event, key, wb, f"already owned by {_fmt_gen(owner[wb])}", line)
                 self._release_ticket_block(wb)
             owner[wb] = key
-            lines[("alloc", wb)] = line
+            lines[b] = line
         if self.block_size is not None:
             self._extend_table(key, worker, blocks, own=True)
 
@@ -686,16 +712,16 @@ class Monitor:
                 if role != "writes":
                     continue
                 why = f"which it shares with {_gens_text(holders - {key})}: a shared prefix is never written"
-                witness = [self._lines.get(("alloc", wb))]
+                witness = [self._block_line("alloc", wb)]
             elif holders is not None:
                 why = f"which {_gens_text(holders)} share"
-                witness = [self._lines.get(("alloc", wb))]
+                witness = [self._block_line("alloc", wb)]
             elif held is None:
                 why = "which is free"
-                witness = [self._lines.get(("free", wb))]
+                witness = [self._block_line("free", wb)]
             else:
                 why = f"which {_fmt_gen(held)} owns"
-                witness = [self._lines.get(("alloc", wb))]
+                witness = [self._block_line("alloc", wb)]
             self._report(
                 "foreign-block-access",
                 line,
@@ -1045,7 +1071,7 @@ class Monitor:
             f"decode of {_fmt_gen(key)} on {ev.worker!r} writes position {ev.position} into block "
             f"{wb[1]}, which {_gens_text(others)} share{'s' if len(others) == 1 else ''}: a shared "
             f"prefix is never written",
-            [self._lines.get(("alloc", wb))],
+            [self._block_line("alloc", wb)],
             request=ev.request,
             gen=ev.gen,
             worker=ev.worker,
@@ -1174,6 +1200,7 @@ class Monitor:
         writing = self._writing
         block_ticket = self._block_ticket
         request, gen = ev.request, ev.gen
+        free_lines = None
         for b in self._capacity(ev, worker, ev.blocks, line):
             wb = (worker, b)
             held = owner.pop(wb, None)  # (released below whatever the checks find)
@@ -1184,12 +1211,12 @@ class Monitor:
             elif held is None:
                 why = "quarantined after a restart" if wb in self._quarantine else "not owned"
                 self._bad_free(ev, line, b, f"free of block {b} on {worker!r}, which is {why}",
-                               lines.get(("free", wb)))
+                               self._block_line("free", wb))
                 continue
             if request is not None and (held[0] != request or (gen is not None and held[1] != gen)):
                 named = request if gen is None else _fmt_gen((request, gen))
                 self._bad_free(ev, line, b, f"free of block {b} on {worker!r} for {named}, but "
-                               f"{_fmt_gen(held)} owns it", lines.get(("alloc", wb)))
+                               f"{_fmt_gen(held)} owns it", self._block_line("alloc", wb))
             if reading:
                 readers = reading.get(wb)
                 if readers:
@@ -1206,7 +1233,9 @@ class Monitor:
                         self._ticket_left[ticket] = left
                     else:
                         self._close_ticket(ticket)
-            lines[("free", wb)] = line
+            if free_lines is None:
+                free_lines = self._block_lines("free", worker)
+            free_lines[b] = line
         for invariant, found, verb in (
             ("early-source-free", early_read, "read"),
             ("early-target-reuse", early_write, "write into"),
@@ -1234,14 +1263,14 @@ class Monitor:
         if ev.request is None:
             self._bad_free(ev, line, b, f"free of block {b} on {worker!r} names no generation, but "
                            f"{_gens_text(holders)} share it: each owner frees its own reference",
-                           self._lines.get(("alloc", wb)))
+                           self._block_line("alloc", wb))
             del self._shared[wb]
             return min(holders)
         mine = frozenset(k for k in holders if k[0] == ev.request and (ev.gen is None or k[1] == ev.gen))
         if not mine:
             named = ev.request if ev.gen is None else _fmt_gen((ev.request, ev.gen))
             self._bad_free(ev, line, b, f"free of block {b} on {worker!r} for {named}, but "
-                           f"{_gens_text(holders)} share it", self._lines.get(("alloc", wb)))
+                           f"{_gens_text(holders)} share it", self._block_line("alloc", wb))
             return None
         rest = holders - mine
         if not rest:
@@ -1270,7 +1299,7 @@ class Monitor:
             if wb in self._quarantine:
                 self._take_quarantined(ev, key, wb, line)
                 owner[wb] = key
-                lines[("alloc", wb)] = line
+                self._block_lines("alloc", worker)[b] = line
                 continue
             held = owner.get(wb)
             holders = shared.get(wb)
@@ -1302,7 +1331,7 @@ class Monitor:
                 shared[wb] = holders | {key}
             else:
                 owner[wb] = key  # a free block whose cached KV the share revives
-            lines[("alloc", wb)] = line
+            self._block_lines("alloc", worker)[b] = line
         tokens = ev.tokens
         if self.block_size is not None:
             self._extend_table(key, worker, ev.blocks, own=False)
@@ -1318,7 +1347,7 @@ class Monitor:
             for wb in [wb for wb in table if wb[0] == worker]:
                 del table[wb]
                 self._block_ticket.pop(wb, None)
-                self._lines[("free", wb)] = line
+                self._block_lines("free", worker)[wb[1]] = line
                 if wb in self._writing:
                     self._quarantine[wb] = True
         for gw in [gw for gw in self._share_tokens if gw[1] == worker]:
@@ -1353,7 +1382,7 @@ class Monitor:
                 "leak",
                 line,
                 f"{_fmt_gen(key)} ended but still owns block(s) {_blocks_text(blocks)} on {worker!r}",
-                [lines.get(("alloc", (worker, b))) for b in blocks] + [lines.get(("end", key))],
+                [self._block_line("alloc", (worker, b)) for b in blocks] + [lines.get(("end", key))],
                 request=key[0],
                 gen=key[1],
                 worker=worker,
