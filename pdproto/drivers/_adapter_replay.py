@@ -16,8 +16,9 @@ does not match is a divergence:
 - ``extra``: the engine produced an event the history does not have.
 
 The monitor judges the engine's own events as they come, so the result
-also says which invariants the engine broke while re-enacting (each named
-by the history line being re-enacted when the engine broke it).
+also says which invariants the engine broke while re-enacting, each named
+by the history line of the event it matched (an extra event: the line being
+re-enacted).
 """
 
 from __future__ import annotations
@@ -174,14 +175,15 @@ def replay_on_adapter(path: str | os.PathLike[str], adapter: Any) -> AdapterRepl
             continue
         for e in events:
             produced.append(e)
-            monitor.feed(e, line=line)  # named by the history line being re-enacted
             k = event_key(e, engine_owner)
             j = next((j for j in range(i, len(history)) if not matched[j] and keys[j] == k), None)
             if j is None:
                 divergences.append(Divergence("extra", line, f"the engine did {_brief(e)} (while "
                                               f"re-enacting line {line}), which the history does not have"))
+                monitor.feed(e, line=line)
             else:
                 matched[j] = True
+                monitor.feed(e, line=history[j][0])  # named by the history line it matched
         if not matched[i]:
             divergences.append(Divergence("missing", line, f"{_brief(event)}: the engine took {action} but "
                                           "did not do it"))
