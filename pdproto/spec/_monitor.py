@@ -597,13 +597,8 @@ class Monitor:
     def _allocate(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], line: int) -> None:
         owner = self._owner
         shared = self._shared
-        lines = self._lines
         inside = self._capacity(event, worker, blocks, line)
-        if not inside:
-            if self.block_size is not None:
-                self._extend_table(key, worker, blocks, own=True)
-            return
-        lines = self._block_lines("alloc", worker)
+        lines = self._block_lines("alloc", worker) if inside else {}
         if not self._quarantine and not shared and len(set(inside)) == len(inside):
             # the common case (no quarantined or shared block, distinct
             # blocks): what the loop below does, with one owner lookup per
@@ -611,30 +606,31 @@ class Monitor:
             # before (by anyone) returns another object
             setdefault = owner.setdefault
             for b in inside:
-                wb = (worker, b)
-                held = setdefault(wb, key)
+                held = setdefault((worker, b), key)
                 if held is not key:
-                    self._double_allocation(event, key, wb, f"already owned by {_fmt_gen(held)}", line)
-                    self._release_ticket_block(wb)
-                    owner[wb] = key
+                    self._retake(event, key, (worker, b), f"already owned by {_fmt_gen(held)}", line)
                 lines[b] = line
-            if self.block_size is not None:
-                self._extend_table(key, worker, blocks, own=True)
-            return
-        for b in inside:
-            wb = (worker, b)
-            if wb in self._quarantine:
-                self._take_quarantined(event, key, wb, line)
-            elif shared and wb in shared:
-                self._double_allocation(event, key, wb, f"already shared by {_gens_text(shared.pop(wb))}", line)
-                self._release_ticket_block(wb)
-            elif wb in owner:
-                self._double_allocation(event, key, wb, f"already owned by {_fmt_gen(owner[wb])}", line)
-                self._release_ticket_block(wb)
-            owner[wb] = key
-            lines[b] = line
+        else:
+            for b in inside:
+                wb = (worker, b)
+                if wb in self._quarantine:
+                    self._take_quarantined(event, key, wb, line)
+                elif shared and wb in shared:
+                    self._retake(event, key, wb, f"already shared by {_gens_text(shared.pop(wb))}", line)
+                elif wb in owner:
+                    self._retake(event, key, wb, f"already owned by {_fmt_gen(owner[wb])}", line)
+                owner[wb] = key
+                lines[b] = line
         if self.block_size is not None:
             self._extend_table(key, worker, blocks, own=True)
+
+    def _retake(self, event: Event, key: tuple[str, int], wb: tuple[str, int], why: str, line: int) -> None:
+        """An allocation of ``key`` takes block ``wb``, which it should not:
+        report it, and the block leaves its ticket; the caller makes ``key``
+        its owner."""
+        self._double_allocation(event, key, wb, why, line)
+        self._release_ticket_block(wb)
+        self._owner[wb] = key
 
     def _extend_table(self, key: tuple[str, int], worker: str, blocks: tuple[int, ...], own: bool) -> None:
         """Append ``blocks`` to the generation's shared (``own=False``) or
