@@ -286,6 +286,9 @@ class Monitor:
         ("policy", "complete", "workers", "kv", "block_size", "boundary", "skip", "violations", "line", "events", "_out")
         + _VERDICT
         + ("_lines",)  # witness bookkeeping, not part of key()
+        # True while the per-worker tables of block lines in _lines may be
+        # shared with a copy: the first write copies them (copy-on-write)
+        + ("_lines_shared",)
     )
 
     def __init__(
@@ -324,6 +327,7 @@ class Monitor:
         for name in self._VERDICT:
             setattr(self, name, {})
         self._lines: dict[tuple, Any] = {}
+        self._lines_shared = False
 
     @classmethod
     def from_header(
@@ -417,8 +421,9 @@ class Monitor:
         new._out = []
         for name in self._VERDICT:
             setattr(new, name, dict(getattr(self, name)))
-        # (the per-worker tables of block lines are copied too)
-        new._lines = {k: v.copy() if type(v) is dict else v for k, v in self._lines.items()}
+        # the per-worker tables of block lines are shared until either writes
+        new._lines = dict(self._lines)
+        self._lines_shared = new._lines_shared = True
         return new
 
     def key(self) -> tuple:
@@ -513,7 +518,11 @@ class Monitor:
         return None if per_block is None else per_block.get(wb[1])
 
     def _block_lines(self, tag: str, worker: str) -> dict[int, int]:
-        """The table of ``tag`` (alloc or free) lines of ``worker``'s blocks."""
+        """The table of ``tag`` (alloc or free) lines of ``worker``'s blocks,
+        to write into."""
+        if self._lines_shared:  # copy-on-write: this monitor's own tables from now on
+            self._lines = {k: v.copy() if type(v) is dict else v for k, v in self._lines.items()}
+            self._lines_shared = False
         per_block = self._lines.get((tag, worker))
         if per_block is None:
             per_block = self._lines[(tag, worker)] = {}
