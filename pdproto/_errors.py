@@ -119,12 +119,14 @@ class MissingExtraError(PdprotoError, ImportError):
     """A feature needs an optional dependency that is not installed:
     ``feature`` needs the ``module`` of the ``extra`` (``pip install 'pdproto[extra]'``)."""
 
-    def __init__(self, feature: str, module: str, extra: str) -> None:
+    def __init__(self, feature: str, module: str, extra: str, hint: str = "") -> None:
         self.feature = feature
         self.module = module
         self.extra = extra
+        self.hint = hint
         super().__init__(
             f"{feature} needs {module}, which is not installed: pip install 'pdproto[{extra}]'"
+            + (f" ({hint})" if hint else "")
         )
 
 

