@@ -1230,14 +1230,8 @@ class Monitor:
                 writers = writing.get(wb)
                 if writers:
                     early_write.setdefault((held, writers), []).append(b)
-            if block_ticket:  # _release_ticket_block, inline
-                ticket = block_ticket.pop(wb, None)
-                if ticket is not None:
-                    left = self._ticket_left.get(ticket, 0) - 1
-                    if left > 0:
-                        self._ticket_left[ticket] = left
-                    else:
-                        self._close_ticket(ticket)
+            if block_ticket:
+                self._release_ticket_block(wb)
             if free_lines is None:
                 free_lines = self._block_lines("free", worker)
             free_lines[b] = line
