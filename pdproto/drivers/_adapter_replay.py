@@ -159,6 +159,7 @@ def replay_on_adapter(path: str | os.PathLike[str], adapter: Any) -> AdapterRepl
             continue
         path = (decided,) if isinstance(decided, Action) else tuple(decided)
         events = []
+        refused = False
         for action in path:
             offered: Sequence[Action] = adapter.actions()
             if action not in offered:
@@ -166,14 +167,11 @@ def replay_on_adapter(path: str | os.PathLike[str], adapter: Any) -> AdapterRepl
                 divergences.append(Divergence(
                     "refused", line, f"{_brief(event)} needs {action}, which the engine does not offer "
                     f"here (it offers: {shown or 'nothing'})"))
+                refused = True
                 break
             events.extend(adapter.apply(action))
             actions += 1
-        else:
-            action = path[-1] if path else None
-        if divergences and divergences[-1].kind == "refused" and divergences[-1].line == line:
-            continue
-        for e in events:
+        for e in events:  # what the engine did, the silent steps before a refusal included
             produced.append(e)
             k = event_key(e, engine_owner)
             j = next((j for j in range(i, len(history)) if not matched[j] and keys[j] == k), None)
@@ -184,9 +182,9 @@ def replay_on_adapter(path: str | os.PathLike[str], adapter: Any) -> AdapterRepl
             else:
                 matched[j] = True
                 monitor.feed(e, line=history[j][0])  # named by the history line it matched
-        if not matched[i]:
-            divergences.append(Divergence("missing", line, f"{_brief(event)}: the engine took {action} but "
-                                          "did not do it"))
+        if not matched[i] and not refused:
+            divergences.append(Divergence("missing", line, f"{_brief(event)}: the engine took {path[-1]} "
+                                          "but did not do it"))
     monitor.line = history[-1][0] if history else 1  # the end checks name the history's last line
     monitor.finish()
     return AdapterReplayResult(
