@@ -90,6 +90,8 @@ def test_a_violation_exits_1_naming_the_request_and_time(monkeypatch, capsys: py
         (["--tp-p", "1", "--model", "llama-3-70b"], "weights"),
         (["--target", "1.5"], "--target"),
         (["--sweep", "--tps", "1,x"], "--tps"),
+        (["--pd", "\u00b2:1"], "--pd"),  # isdigit() accepts '²', int() refuses it
+        (["--sweep", "--tps", "1,\u00b2"], "--tps"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str],

@@ -282,3 +282,17 @@ def test_the_section_06_signals_fire_on_the_runs_they_describe() -> None:
     assert "pools-take-turns-idling" in fired(bursts, SimConfig(**base, max_batch_tokens=32768))
     # a light, steady load fires nothing
     assert fired(poisson(100, 2.0), SimConfig(**base)) == set()
+
+
+def test_thinned_samples_keep_every_pool_at_each_sample_time() -> None:
+    # a sample step short enough that the sample list is thinned many times:
+    # each kept sample time must still have one row per pool (halving the raw
+    # row list kept only one pool of a PD run)
+    import collections
+
+    res = simulate(poisson(300, 30.0), SimConfig(arm="pd", model="llama-3-8b", devices=2),
+                   sink=lambda r: None, sample_dt=0.0005, table=None)
+    per_pool = collections.Counter(name for _, name, *_ in res.samples)
+    per_time = collections.Counter(t for t, *_ in res.samples)
+    assert len(res.samples) > 4000 and per_pool["prefill"] == per_pool["decode"]
+    assert set(per_time.values()) == {2}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .._errors import UsageError
+from .._errors import UsageError, parse_int
 from . import EXIT_OK, EXIT_VIOLATION
 from ._args import check_output_path, esc, int_type, print_json
 
@@ -194,8 +194,11 @@ def _workload(args: argparse.Namespace) -> Any:
 
 def _pd_split(text: str) -> tuple[int, int]:
     a, sep, b = text.partition(":")
-    if sep and a.strip().isdigit() and b.strip().isdigit() and int(a) >= 1 and int(b) >= 1:
-        return int(a), int(b)
+    try:
+        if sep:
+            return parse_int(a, "--pd", minimum=1), parse_int(b, "--pd", minimum=1)
+    except UsageError:
+        pass
     raise UsageError("--pd", text, "NP:ND with two integers >= 1, e.g. 2:1")
 
 
@@ -234,10 +237,10 @@ def _configs(args: argparse.Namespace) -> tuple[Any, list[Any]]:
 
 
 def _tps(text: str) -> tuple[int, ...]:
-    parts = [x.strip() for x in text.split(",")]
-    if not parts or not all(x.isdigit() and int(x) >= 1 for x in parts):
-        raise UsageError("--tps", text, "TP sizes as integers >= 1 separated by commas, e.g. 1,2")
-    return tuple(sorted({int(x) for x in parts}))
+    try:
+        return tuple(sorted({parse_int(x, "--tps", minimum=1) for x in text.split(",")}))
+    except UsageError:
+        raise UsageError("--tps", text, "TP sizes as integers >= 1 separated by commas, e.g. 1,2") from None
 
 
 # -- running ------------------------------------------------------------------------

@@ -1340,8 +1340,9 @@ class _Sim:
                     self.metrics.gauge(name + ".queue").set(ts, q)
                     cap = pool[0].nblocks * len(pool)
                     self.metrics.gauge(name + ".kv_blocks", cap).set(ts, kv * cap)
-            if len(self.samples) > 8000:  # bounded: keep every other sample, sample half as often
-                self.samples = self.samples[::2]
+            if len(self.samples) > 8000:  # bounded: keep every other sample time, sample half as often
+                per = len(self.pools)  # one row per pool at each sample time, the pools in a fixed order
+                self.samples = [row for i in range(0, len(self.samples), 2 * per) for row in self.samples[i:i + per]]
                 self.sample_dt = dt = dt * 2  # type: ignore[operator]
             ts += dt  # type: ignore[operator]
         self.next_sample = ts
