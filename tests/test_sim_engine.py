@@ -223,6 +223,12 @@ def test_piecewise_linear_interpolates_extrapolates_and_reads_a_table(tmp_path) 
     path = tmp_path / "t.csv"
     path.write_text("phase,tokens,ms\nprefill,100,10\nprefill,200,20\ndecode,1,5\ndecode,9,9\ndecode_ctx,1000,1\n")
     assert PiecewiseLinear.from_csv(path) == t
+    # the decode_ctx row is ms per TOKENS context tokens, whatever TOKENS is
+    path.write_text("phase,tokens,ms\nprefill,100,10\nprefill,200,20\ndecode,1,5\ndecode,9,9\ndecode_ctx,500,0.5\n")
+    assert PiecewiseLinear.from_csv(path) == t
+    path.write_text("phase,tokens,ms\ndecode,1,5\ndecode_ctx,1000,1\ndecode_ctx,1000,2\n")
+    with pytest.raises(UsageError, match="decode_ctx"):
+        PiecewiseLinear.from_csv(path)
     path.write_text("phase,tokens,ms\nprefill,100,10\nwarmup,1,1\n")
     with pytest.raises(UsageError, match=r"t.csv:3"):
         PiecewiseLinear.from_csv(path)

@@ -251,7 +251,7 @@ class PiecewiseLinear:
     def from_csv(cls, path: str | os.PathLike[str]) -> "PiecewiseLinear":
         """Read a table with a header ``phase,tokens,ms`` (phase ``prefill`` or
         ``decode``; for decode, tokens = sequences in the batch) and optionally
-        one row ``decode_ctx,1000,MS`` (ms per 1000 context tokens read)."""
+        one row ``decode_ctx,TOKENS,MS`` (MS per TOKENS context tokens read)."""
         pts: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": [], "decode_ctx": []}
         try:
             with open(path, newline="", encoding="utf-8") as f:
@@ -271,7 +271,13 @@ class PiecewiseLinear:
             except ValueError:
                 raise UsageError("latency table", f"{path}:{n}: {','.join(row)}", "numbers in tokens and ms") from None
             pts[row[0].strip()].append((x, y))
-        ctx = sum(y for _x, y in pts["decode_ctx"]) / 1000.0 if pts["decode_ctx"] else 0.0
+        ctx = 0.0
+        if pts["decode_ctx"]:
+            if len(pts["decode_ctx"]) > 1 or pts["decode_ctx"][0][0] <= 0:
+                raise UsageError("latency table", f"{path}: {len(pts['decode_ctx'])} decode_ctx row(s)",
+                                 "at most one row 'decode_ctx,TOKENS,MS' with TOKENS > 0")
+            tokens, ms = pts["decode_ctx"][0]
+            ctx = ms / tokens  # ms per context token read
         return cls(pts["prefill"], pts["decode"], decode_ctx_ms=ctx)
 
     def step(self, prefill_tokens: int, prefill_sq: int, decode_seqs: int, decode_ctx: int) -> float:
