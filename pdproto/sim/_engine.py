@@ -244,8 +244,8 @@ class _Req:
     __slots__ = (
         "id", "arrival", "prompt0", "out", "cancel_at", "cancel_phase", "gen", "plen", "produced",
         "times", "first", "state", "p", "d", "pblocks", "dblocks", "xid", "ticket", "retries",
-        "cancelled", "rejected", "failed", "decodes", "done_pre", "will_fail", "xbytes", "xready",
-        "enq", "pre_dur", "j", "ep", "di",
+        "cancelled", "rejected", "failed", "done_pre", "will_fail", "xbytes", "xready",
+        "pre_dur", "j", "ep", "di",
     )
 
     def __init__(self, r: Any) -> None:
@@ -267,12 +267,10 @@ class _Req:
         self.xid = self.ticket = ""
         self.retries = 0
         self.cancelled = self.rejected = self.failed = False
-        self.decodes = 0  # decodes of this generation
         self.done_pre = 0  # prompt tokens prefilled so far (chunked)
         self.will_fail = False
         self.xbytes = 0.0
         self.xready = 0.0
-        self.enq = 0.0
         self.pre_dur = 0.0
         self.j = 0  # decode step of its instance it joined at
         self.ep = 0  # epoch: grows each time it leaves a running set
@@ -282,7 +280,7 @@ class _Req:
 class _Inst:
     __slots__ = (
         "name", "role", "lat", "nblocks", "free", "waiting", "running", "prefilling", "busy", "batch",
-        "busy_time", "kv_area", "q_area", "last", "preempted", "peak_q", "peak_kv", "steps",
+        "busy_time", "kv_area", "q_area", "last", "preempted", "peak_kv", "steps",
         "egress", "qtok", "pending", "first", "k", "dtimes", "dbase", "ends", "grows", "ctx", "ndec",
         "cancels", "mends", "eheap", "version",
     )
@@ -303,7 +301,6 @@ class _Inst:
         self.q_area = 0.0
         self.last = 0.0
         self.preempted = 0
-        self.peak_q = 0
         self.peak_kv = 0
         self.steps = 0
         self.qtok = 0  # prompt tokens waiting (router's load measure)
@@ -400,17 +397,15 @@ class _Sim:
         shape = MODELS[cfg.model.strip().lower()].shape
         self.kv_tok = shape.bytes_per_token
         self.layers = shape.layers
-        self.live = 0
         self.n = 0
         self.finished = 0
         self.events = 0
         self.violation: dict | None = None
         self.faults = {"transfer_failures": 0, "timeouts": 0, "retries": 0, "preempted": 0, "rejected": 0,
                        "cancelled": 0, "failed": 0, "recomputed_tokens": 0}
-        self.xfer = {"count": 0, "bytes": 0, "time": 0.0, "wait": 0.0, "max_wait": 0.0, "ideal": 0.0}
+        self.xfer = {"count": 0, "bytes": 0, "time": 0.0, "ideal": 0.0}
         self.rq: deque[_Req] = deque()  # PD: waiting for a D reservation
         self.first_arrival: float | None = None
-        self.last_t = 0.0
         self.d_freed = False
         self.kicks: set[_Inst] = set()
         self.metrics: Any = None
@@ -551,7 +546,6 @@ class _Sim:
                     for inst in idle:
                         if not inst.busy:
                             self.start_step(inst)
-            self.last_t = self.now
             if self.mon is not None and self.violation is None:
                 ends = self.mon.finish()
                 if ends:
@@ -583,7 +577,6 @@ class _Sim:
 
     def arrive(self, raw: Any) -> None:
         r = _Req(raw)
-        self.live += 1
         cfg = self.cfg
         if r.cancel_at is not None and r.cancel_phase is None:
             self.push(max(r.cancel_at, self.now), _CANCEL, r)
@@ -613,7 +606,6 @@ class _Sim:
                 self.interrupt(inst)
             r.state = _PQ
             r.p = inst
-            r.enq = self.now
             if cfg.queue_timeout_s is not None:
                 self.push(self.now + cfg.queue_timeout_s, _QTIMEOUT, r, r.gen)
             if r.cancel_phase == "queued":
@@ -625,7 +617,6 @@ class _Sim:
 
     def enqueue_rq(self, r: _Req, front: bool = False) -> None:
         r.state = _RQ
-        r.enq = self.now
         for p in self.P:
             self.account(p)
         if front:
@@ -761,7 +752,6 @@ class _Sim:
 
     def done(self, r: _Req) -> None:
         r.state = _DONE
-        self.live -= 1
         self.finished += 1
         if r.failed:
             self.faults["failed"] += 1
@@ -928,7 +918,6 @@ class _Sim:
         base = inst.dbase
         r.times.extend(inst.dtimes[r.j - base:r.j + steps - base])
         r.produced += steps
-        r.decodes += steps
         inst.ctx -= r.plen + steps
 
     def preempt(self, inst: _Inst, r: _Req) -> None:
@@ -948,7 +937,6 @@ class _Sim:
                 self.give_up(r, "recomputed prompt larger than an instance's KV")
                 return
             self.faults["recomputed_tokens"] += r.plen
-            r.decodes = 0
             r.done_pre = 0
             r.state = _PQ
             inst.waiting.appendleft(r)
@@ -960,7 +948,6 @@ class _Sim:
         r.gen += 1
         r.plen = r.prompt0 + r.produced
         self.faults["recomputed_tokens"] += r.plen
-        r.decodes = 0
         r.will_fail = False
         if self.ev_on:
             self.emit(Submit(r.id, r.gen, r.plen, r.out - r.produced), r)
@@ -1080,7 +1067,6 @@ class _Sim:
         return inst.lat.step(tokens, sq, n, inst.ctx), ("c", chunks)
 
     def step_done(self, inst: _Inst) -> None:
-        now = self.now
         batch = inst.batch
         self.account(inst)
         if batch is _DSTEP or (batch[0] == "c" and inst.ndec):
