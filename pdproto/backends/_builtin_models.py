@@ -117,13 +117,15 @@ def cache_dir() -> str:
 _LOADED: dict[tuple[str, str, str], LoadedModel] = {}
 
 
-def load_model(spec: str, *, dtype: str = "float32", attention: str = "sdpa",
+def load_model(spec: str | os.PathLike[str], *, dtype: str = "float32", attention: str = "sdpa",
                progress: Callable[[str], None] | None = None) -> LoadedModel:
     """The model ``spec`` names: a built-in name (:data:`BUILTIN_MODELS`) or a
     local Hugging Face model folder.  ``dtype``: float32 (default), bfloat16
     or float16; ``attention``: sdpa (default) or eager.  Loaded models are
     kept for the process (a second call is free).  ``progress`` receives the
     one-line notes of a long first load (default: standard error)."""
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
     if not isinstance(spec, str) or not spec:
         raise UsageError("--model", spec, "a built-in model (" + ", ".join(BUILTIN_MODELS)
                          + ") or the path of a local Hugging Face model folder")

@@ -74,7 +74,7 @@ def model_backend_factory(model: Any = "tiny-llama", **options: Any) -> Callable
     :class:`~pdproto.backends._transformer.ModelBackend`'s (``tp``,
     ``threads``, ``boundary``, ...)."""
     mb = load_model_backend()
-    loaded = mb.load_model(model) if isinstance(model, str) else model
+    loaded = mb.load_model(model) if isinstance(model, (str, os.PathLike)) else model
 
     def factory(header: Any) -> Any:
         return mb.ModelBackend(header, model=loaded, **options)
