@@ -63,10 +63,6 @@ KNOWN: Mapping[str, Mapping[str, str]] = {
     },
 }
 
-_ENDED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED", "FINISHED_IGNORED",
-          "FINISHED_ERROR", "FINISHED_REPETITION")
-
-
 class _Gen:
     """One generation of one request, as the router (the proxy in front of P
     and D) sees it."""
@@ -546,7 +542,6 @@ class VllmAdapter:
             # the registration came from a D that is gone: the WRITE to its agent fails
             # before it starts, and P keeps the blocks until the lease runs out
             t.state = "failed"
-            self.h.workers["P"].push_failed.add(t.p_id)
             return
         out.append(TransferStart(g.transfer, g.ticket, g.request, g.gen, "P0", t.src_blocks, "D0", t.dst_blocks))
 
@@ -566,31 +561,27 @@ class VllmAdapter:
                 out.append(Free(f"{side}0", mine, g.request, g.gen))
             freed.difference_update(mine)
 
+    def _abort_on(self, side: str, rid: str, out: list[Event]) -> None:
+        """The router aborts request ``rid`` on instance ``side`` if it is
+        still live there; the blocks the abort really returned are freed."""
+        from vllm.v1.request import RequestStatus
+
+        req = self.h.sched[side].requests.get(rid)
+        if req is not None and not req.is_finished():
+            owners, refs = self.h.block_ids(side), self.h.ref_counts(side)
+            self.h.sched[side].finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            self._frees(side, owners, refs, out)
+
     def _fail_peer(self, g: _Gen, side: str, out: list[Event]) -> None:
         """The router ends the generation on the other instance too."""
-        from vllm.v1.request import RequestStatus
-
         other = "D" if side == "P" else "P"
-        rid = g.d_id if other == "D" else g.p_id
-        req = self.h.sched[other].requests.get(rid)
-        if req is not None and not req.is_finished():
-            owners, refs = self.h.block_ids(other), self.h.ref_counts(other)
-            self.h.sched[other].finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-            self._frees(other, owners, refs, out)
+        self._abort_on(other, g.d_id if other == "D" else g.p_id, out)
 
     def _abort(self, g: _Gen, out: list[Event]) -> None:
-        from vllm.v1.request import RequestStatus
-
-        owners = {side: self.h.block_ids(side) for side in ("P", "D")}
-        refs = {side: self.h.ref_counts(side) for side in ("P", "D")}
         g.terminal = "cancel"
         out.append(Cancel(g.request, g.gen, "abort"))
         for side, rid in (("P", g.p_id), ("D", g.d_id)):
-            req = self.h.sched[side].requests.get(rid)
-            if req is not None and not req.is_finished():
-                self.h.sched[side].finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-        for side in ("P", "D"):
-            self._frees(side, owners[side], refs[side], out)
+            self._abort_on(side, rid, out)
 
     def _restart(self, worker: str, out: list[Event]) -> None:
         side = worker[0]
@@ -605,8 +596,6 @@ class VllmAdapter:
                 out.append(TransferFailed(g.transfer))
             if side == "P" and self.family == "pull":
                 self.h.workers["D"].inbox.append(("failed", t.d_id))
-            if side == "D" and self.family == "push":
-                self.h.workers["P"].push_failed.add(t.p_id)
         live = []
         for g in self.gens.values():
             rid = g.p_id if side == "P" else g.d_id

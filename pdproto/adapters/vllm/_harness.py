@@ -80,9 +80,6 @@ class Clock:
     def __init__(self, start: float = 1000.0) -> None:
         self.now = start
 
-    def perf_counter(self) -> float:
-        return self.now
-
     def advance(self, seconds: float) -> None:
         self.now += seconds
 
@@ -162,7 +159,6 @@ class FakeWorker:
         self.finished_blocks: dict[str, list[int]] = {}
         #: P, push: WRITEs that completed (reported as finished_sending) or failed
         self.pushed: set[str] = set()
-        self.push_failed: set[str] = set()
 
     def signature(self) -> tuple:
         return (
@@ -576,8 +572,6 @@ class VllmHarness:
         t.state = "failed"
         if self.family == "pull":
             self.workers["D"].inbox.append(("failed", d_id))
-        else:
-            self.workers["P"].push_failed.add(t.p_id)
         return t
 
     def running_transfers(self) -> list[Transfer]:
