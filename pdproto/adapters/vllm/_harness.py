@@ -524,7 +524,7 @@ class VllmHarness:
                     w.reqs_to_process.discard(p_id)
                     done_sending.add(p_id)
         # leases: an expired one is reported as done sending (the blocks go back)
-        for rid in [r for r, deadline in w.reqs_to_send.items() if self.clock.now >= deadline]:
+        for rid in self.leases_due(side):
             del w.reqs_to_send[rid]
             w.reqs_to_process.discard(rid)
             w.finished_blocks.pop(rid, None)
