@@ -1203,14 +1203,11 @@ class _Sim:
             self.emit(TransferStart(r.xid, r.ticket, r.id, r.gen, r.p.name, tuple(r.pblocks), r.d.name,
                                     tuple(r.dblocks)), r)
         nbytes = float(self.kv_tok * r.plen)
-        self.xfer["count"] += 1
-        self.xfer["bytes"] += int(nbytes)
         eg = r.p.egress
         if cfg.layerwise:
             share = eg.bw / (len(eg.active) + 1)
             nbytes = max(nbytes / self.layers, nbytes - r.pre_dur * share)
         r.xbytes = nbytes
-        self.xfer["ideal"] += cfg.latency_ms / 1e3 + nbytes / eg.bw
         r.will_fail = cfg.transfer_fail_rate > 0 and self.rng.random() < cfg.transfer_fail_rate
         if cfg.transfer_timeout_ms is not None:
             self.push(self.now + cfg.transfer_timeout_ms / 1e3, _TIMEOUT, r, r.gen)
@@ -1262,12 +1259,18 @@ class _Sim:
         self.reschedule(eg)
 
     def landed(self, r: _Req) -> None:
+        # the transfer ran to its end: counted here, once, with the time an
+        # uncontended link would have taken (queueing = the difference)
         took = self.now - r.xready
+        ideal = self.cfg.latency_ms / 1e3 + r.xbytes / r.p.egress.bw
+        nbytes = int(self.kv_tok * r.plen)
         x = self.xfer
+        x["count"] += 1
+        x["bytes"] += nbytes
         x["time"] += took
+        x["ideal"] += ideal
         if self.metrics is not None:
-            ideal = self.cfg.latency_ms / 1e3 + r.xbytes / r.p.egress.bw
-            self.metrics.transfer(int(self.kv_tok * r.plen), max(0.0, took - ideal), took)
+            self.metrics.transfer(nbytes, max(0.0, took - ideal), took)
         if r.will_fail:
             self.faults["transfer_failures"] += 1
             self.xfer_fail(r, timeout=False)
