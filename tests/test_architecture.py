@@ -18,6 +18,7 @@ MODELS = pathlib.Path(ROOT) / "models"
 LAYERS = (
     ("pdproto._errors", "pdproto._version"),
     ("pdproto.spec",),
+    ("pdproto.importers",),
     ("pdproto.protocol",),
     ("pdproto.backends",),
     ("pdproto.drivers",),
@@ -32,6 +33,7 @@ LAYERS = (
 
 #: Layers that stand apart: they may import only these layers, not every lower one.
 NARROW = {
+    "pdproto.importers": ("pdproto._errors", "pdproto._version", "pdproto.spec"),
     "pdproto.backends": ("pdproto._errors", "pdproto.spec"),
     "pdproto.cost": ("pdproto._errors",),
     "pdproto.sim": ("pdproto._errors", "pdproto._version", "pdproto.spec", "pdproto.cost"),
@@ -49,6 +51,10 @@ THIRD_PARTY = {
     "orjson": ("pdproto.spec",),
     "vllm": ("pdproto.adapters",),
     "transformers": ("pdproto.backends",),
+    "nixl": ("pdproto.backends",),
+    "nixl_cu12": ("pdproto.backends",),
+    "mooncake": ("pdproto.backends",),
+    "ray": ("pdproto.drivers",),
 }
 
 
