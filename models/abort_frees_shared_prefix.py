@@ -13,11 +13,19 @@ to the pool when its last owner frees it).  This mutant's cleanup frees the
 blocks outright: the other owners' references are forgotten, the block is
 evicted and the next prefill allocates it while a live generation still
 holds it.  Caught as ``double-allocation``.
+Family: pull.  https://github.com/InternLM/lmdeploy/issues/1450
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
 
 EXPECTED = "double-allocation"
+PROJECT = "lmdeploy"
+LINKS = (
+    "https://github.com/InternLM/lmdeploy/issues/1450",
+    "https://github.com/LMCache/LMCache/issues/2847",
+)
+FAMILY = "pull"
+FAULTS = ("timeout", "retry")
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=3, block_size=2, prompt_len=3, prefix_cache=True,
                              faults={"timeout": 1, "retry": 1})
 

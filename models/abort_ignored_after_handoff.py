@@ -3,11 +3,17 @@
 Reproduces vllm-project/vllm#29906: once the KV handoff completed, an abort of
 the request no longer reaches the decode side's block manager, so the
 request's KV blocks are never freed.  Caught at a quiet state as ``leak``.
+Family: push.  https://github.com/vllm-project/vllm/issues/29906
 """
 
 from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
 
 EXPECTED = "leak"
+PROJECT = "vllm"
+LINKS = ("https://github.com/vllm-project/vllm/issues/29906",)
+FAMILY = "push"
+FAULTS = ("cancel",)
+PHASE = "committed"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"cancel": 1})
 
 

@@ -4,11 +4,17 @@ Reproduces vllm-project/vllm#19223: in pull mode, a request aborted while it
 waits in the decode side's queue for KV is dropped there without telling the
 prefill side, which keeps the request's KV blocks forever.  Caught at a quiet
 state as ``leak``.
+Family: pull.  https://github.com/vllm-project/vllm/issues/19223
 """
 
 from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
 
 EXPECTED = "leak"
+PROJECT = "vllm"
+LINKS = ("https://github.com/vllm-project/vllm/issues/19223",)
+FAMILY = "pull"
+FAULTS = ("cancel",)
+PHASE = "waiting"
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=1, faults={"cancel": 1})
 
 

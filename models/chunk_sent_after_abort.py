@@ -9,11 +9,20 @@ under one ticket, started one after the other; the reference starts the
 next chunk only for a live generation whose transfer was not aborted.  This
 mutant starts it whenever chunks are left: a cancelled generation's next
 chunk starts after the abort.  Caught as ``resurrection``.
+Family: push.  https://github.com/sgl-project/sglang/issues/27372
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
 
 EXPECTED = "resurrection"
+PROJECT = "sglang"
+LINKS = (
+    "https://github.com/sgl-project/sglang/issues/27372",
+    "https://github.com/sgl-project/sglang/issues/36707",
+)
+FAMILY = "push"
+FAULTS = ("cancel",)
+PHASE = "transferring"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, chunks=2, faults={"cancel": 1})
 
 

@@ -10,11 +10,19 @@ when one lands and runs the completion handler (push: notify; pull: commit)
 after the last one only.  This mutant's ``next_chunk`` never fires: the
 first chunk's completion is treated as the handoff's, and D commits with
 only its positions (or layers) written.  Caught as ``commit-before-ready``.
+Family: push.  https://github.com/sgl-project/sglang/issues/22716
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
 
 EXPECTED = "commit-before-ready"
+PROJECT = "sglang"
+LINKS = (
+    "https://github.com/sgl-project/sglang/issues/22716",
+    "https://github.com/sgl-project/sglang-jax/issues/1523",
+)
+FAMILY = "push"
+FAULTS = ()
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, chunks=2)
 
 

@@ -5,11 +5,19 @@ that failed (or finished only partly) is reported to the decode side as done,
 which then decodes from KV that never fully arrived.  The reference fails the
 generation when the data plane fails the transfer.  Caught as
 ``commit-before-ready``.
+Family: push.  https://github.com/vllm-project/vllm/issues/52234
 """
 
 from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE, XferState
 
 EXPECTED = "commit-before-ready"
+PROJECT = "vllm"
+LINKS = (
+    "https://github.com/vllm-project/vllm/issues/52234",
+    "https://github.com/sgl-project/sglang/issues/30233",
+)
+FAMILY = "push"
+FAULTS = ("transfer_fail",)
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"transfer_fail": 1})
 
 

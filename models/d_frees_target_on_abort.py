@@ -6,11 +6,20 @@ at once, while P's RDMA write into them is still in flight; the blocks can
 be handed to another request and then overwritten.  The reference aborts the
 transfer and frees the target only once the data plane says it ended.
 Caught as ``early-target-reuse``.
+Family: push.  https://github.com/sgl-project/sglang/issues/35049
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
 
 EXPECTED = "early-target-reuse"
+PROJECT = "sglang"
+LINKS = (
+    "https://github.com/sgl-project/sglang/issues/35049",
+    "https://github.com/vllm-project/vllm/issues/32255",
+)
+FAMILY = "push"
+FAULTS = ("cancel",)
+PHASE = "transferring"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"cancel": 1})
 
 

@@ -4,11 +4,17 @@ Reproduces vllm-project/vllm#46283: an aborted request's reserved KV blocks
 on the decode side are released only by the transfer-completion callback; a
 request aborted before its transfer started (or whose transfer failed) never
 gets one, so the blocks leak.  Caught at a quiet state as ``leak``.
+Family: push.  https://github.com/vllm-project/vllm/issues/46283
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE, XferState
 
 EXPECTED = "leak"
+PROJECT = "vllm"
+LINKS = ("https://github.com/vllm-project/vllm/issues/46283",)
+FAMILY = "push"
+FAULTS = ("cancel",)
+PHASE = "reserved"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"cancel": 1})
 
 

@@ -4,11 +4,16 @@ Reproduces vllm-project/vllm#50558: the decode side re-feeds the last prompt
 token at position prompt_len - 1 (duplicating it in the KV) instead of
 feeding the first token sampled by P at position prompt_len.  Caught as
 ``first-token-boundary``.
+Family: push.  https://github.com/vllm-project/vllm/issues/50558
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
 
 EXPECTED = "first-token-boundary"
+PROJECT = "vllm"
+LINKS = ("https://github.com/vllm-project/vllm/issues/50558",)
+FAMILY = "push"
+FAULTS = ()
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
 
 

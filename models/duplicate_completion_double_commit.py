@@ -4,11 +4,16 @@ Reproduces vllm-project/vllm#46240: the decode side handles every delivery of
 a KV-ready notification, so a duplicate commits (and schedules) the same
 request generation a second time.  The reference commits only from the
 awaiting phase.  Caught as ``double-commit``.
+Family: push.  https://github.com/vllm-project/vllm/issues/46240
 """
 
 from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE, XferState
 
 EXPECTED = "double-commit"
+PROJECT = "vllm"
+LINKS = ("https://github.com/vllm-project/vllm/issues/46240",)
+FAMILY = "push"
+FAULTS = ("dup",)
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"dup": 1})
 
 

@@ -5,11 +5,16 @@ KV blocks of a finished prefill after a fixed abort timeout even though the
 decode side's read is still in flight.  The reference only lets P's source
 lease expire after D committed (the read is over); this mutant arms the timer
 as soon as the read starts.  Caught as ``early-source-free``.
+Family: pull.  https://github.com/vllm-project/vllm/issues/21570
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE
 
 EXPECTED = "early-source-free"
+PROJECT = "vllm"
+LINKS = ("https://github.com/vllm-project/vllm/issues/21570",)
+FAMILY = "pull"
+FAULTS = ("timeout",)
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=1, blocks=1, faults={"timeout": 1})
 
 

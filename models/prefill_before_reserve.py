@@ -4,11 +4,16 @@ Violates the seed's reserve-first rule (section 07: "Reserve D-side capacity
 first, so that P never finishes a prefill with nowhere to hand it to"): P
 starts prefill as soon as the request is queued.  Caught as
 ``reserve-before-prefill``.
+Family: push.  https://github.com/sgl-project/sglang/issues/6351
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE
 
 EXPECTED = "reserve-before-prefill"
+PROJECT = "sglang"
+LINKS = ("https://github.com/sgl-project/sglang/issues/6351",)
+FAMILY = "push"
+FAULTS = ()
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
 
 

@@ -5,11 +5,16 @@ hands out its KV memory while a transfer addressed to the old incarnation is
 still in flight, so the stale write lands in blocks now owned by another
 request.  The reference quarantines such blocks until the transfer ends.
 Caught as ``early-target-reuse``.
+Family: push.  https://github.com/ai-dynamo/nixl/issues/2027
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
 
 EXPECTED = "early-target-reuse"
+PROJECT = "nixl"
+LINKS = ("https://github.com/ai-dynamo/nixl/issues/2027",)
+FAMILY = "push"
+FAULTS = ("restart",)
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=2, blocks=1, faults={"restart": 1})
 
 

@@ -6,11 +6,19 @@ and a retry the late completion of the first attempt commits the new attempt
 (whose own KV has not arrived).  The reference drops a message of another
 generation.  Caught as ``ticket-mismatch`` (the commit names the old
 generation's ticket).
+Family: push.  https://github.com/volcano-sh/kthena/issues/1424
 """
 
 from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
 
 EXPECTED = "ticket-mismatch"
+PROJECT = "kthena"
+LINKS = (
+    "https://github.com/volcano-sh/kthena/issues/1424",
+    "https://github.com/sgl-project/sglang/issues/17259",
+)
+FAMILY = "push"
+FAULTS = ("timeout", "retry")
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"timeout": 1, "retry": 1})
 
 

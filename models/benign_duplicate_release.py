@@ -1,0 +1,36 @@
+"""D sends the release of P's source twice; P frees on the first and ignores the second.
+
+A legal variation, no bug: P frees the source only while it still holds it
+for that generation and no transfer reads it, so a second release finds
+nothing to free.  Connectors that repeat a "done reading" notification per
+layer group or per retry look like this.  Family: pull.  The monitor must
+report it clean (no ``bad-free``).
+"""
+
+from pdproto.protocol import HandoffModel, ModelConfig, MsgKind, REFERENCE
+
+EXPECTED = None
+BENIGN = True
+PROJECT = "pdproto"
+LINKS = ()
+FAMILY = "pull"
+FAULTS = ("loss", "reorder", "timeout")
+DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=1, faults={"loss": 1, "reorder": 1, "timeout": 1})
+
+_ON_DONE = REFERENCE["pull"].on_xfer_done.effect
+
+
+def release_twice(m, s, x, q, ev):
+    s = _ON_DONE(m, s, x, q, ev)
+    if s.msgs and s.msgs[-1].kind is MsgKind.RELEASE and s.msgs[-1].r == x.r:
+        s = m.send(s, MsgKind.RELEASE, x.r, q.gen, q.d, q.p)  # the same release again
+    return s
+
+
+class BenignDuplicateRelease(HandoffModel):
+    name = "benign_duplicate_release"
+    rules = REFERENCE.replace("on_xfer_done", effect=release_twice)
+
+
+def build(config: ModelConfig) -> HandoffModel:
+    return BenignDuplicateRelease(config)

@@ -1,0 +1,39 @@
+"""The router's retry submits a fresh generation and reserves its D blocks in the same step.
+
+A legal variation, no bug: the retry is a new generation with a new ticket
+(``t:r:gen+1``) and new transfer ids; reserving at once (when D has room)
+only skips the queue.  Nothing of the failed attempt is reused, so a late
+message or completion of the old generation is dropped.  Family: push.  The
+monitor must report it clean (no ``stale-generation``, ``id-reuse`` or
+``ticket-mismatch``).
+"""
+
+from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+
+EXPECTED = None
+BENIGN = True
+PROJECT = "pdproto"
+LINKS = ()
+FAMILY = "push"
+FAULTS = ("timeout", "retry", "transfer_fail")
+DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1,
+                             faults={"timeout": 1, "retry": 2, "transfer_fail": 1})
+
+_PUSH = REFERENCE["push"]
+
+
+def retry_and_reserve(m, s, r, q, ev):
+    s = _PUSH.retry.effect(m, s, r, q, ev)
+    q = s.reqs[r]
+    if _PUSH.reserve.guard(m, s, r, q):
+        return _PUSH.reserve.effect(m, s, r, q, ev)
+    return s
+
+
+class BenignRetryReservesAtOnce(HandoffModel):
+    name = "benign_retry_reserves_at_once"
+    rules = REFERENCE.replace("retry", effect=retry_and_reserve)
+
+
+def build(config: ModelConfig) -> HandoffModel:
+    return BenignRetryReservesAtOnce(config)
