@@ -13,6 +13,8 @@ from ._loader import list_models as list_models
 from ._loader import ModelInfo as ModelInfo
 from ._audit import audit as audit
 from ._audit import AuditResult as AuditResult
+from ._conform import conform as conform
+from ._conform import ConformanceResult as ConformanceResult
 from ._replay import replay as replay
 from ._replay import ReplayResult as ReplayResult
 from ._replay import load_torch_backend as load_torch_backend
@@ -44,6 +46,8 @@ __all__ = [
     "ModelInfo",
     "audit",
     "AuditResult",
+    "conform",
+    "ConformanceResult",
     "replay",
     "ReplayResult",
     "load_torch_backend",
