@@ -1,6 +1,15 @@
 """Importers: turn a real engine's own log lines into a (partial) history.
 
-This layer sits on :mod:`pdproto.spec` alone.
+``import_log("vllm", "prefill.log", "out.jsonl")`` reads a vLLM, SGLang or
+Dynamo log and writes a history whose header declares which event kinds the
+log could show; see docs/importers.md.  This layer sits on
+:mod:`pdproto.spec` alone.
 """
 
-__all__: list[str] = []
+from ._base import LOG_LINE_KEY as LOG_LINE_KEY
+from ._base import ImportResult as ImportResult
+from ._base import Unrecognised as Unrecognised
+from ._import import ENGINES as ENGINES
+from ._import import import_log as import_log
+
+__all__ = ["ENGINES", "LOG_LINE_KEY", "ImportResult", "Unrecognised", "import_log"]

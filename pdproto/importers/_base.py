@@ -1,0 +1,322 @@
+"""What every log importer shares: reading a log line by line, the result,
+and writing the partial history.
+
+An importer reads an engine's own log (text, one record per line) and turns
+the lines it knows into history events.  It never invents: an event is
+written only for a line whose meaning the engine's source code fixes, with
+the original line number on it (:data:`LOG_LINE_KEY`).  A line that looks like
+a handoff line (it names a request and speaks of KV, transfers or blocks) but
+matches no known format is counted and its first examples are kept
+(:attr:`ImportResult.unrecognised`): never dropped silently.
+
+Streaming, constant memory: the log is read one line at a time and the events
+go to a spool file (in memory up to a few MiB, on disk beyond), because the
+header, written first, says what was observed and that is known only at the
+end (a vLLM log at DEBUG level shows more kinds than one at INFO).  The state
+an importer keeps per request is bounded (:data:`MAX_TRACKED`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shutil
+import sys
+import tempfile
+from typing import IO, Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
+
+import attrs
+
+from .._errors import UsageError
+from ..spec import HistoryHeader, HistoryWriter, Observation
+from ..spec._events import event_from_dict
+
+__all__ = [
+    "LOG_LINE_KEY",
+    "MAX_EXAMPLES",
+    "MAX_TRACKED",
+    "Unrecognised",
+    "ImportResult",
+    "LogImporter",
+    "Pattern",
+    "run_import",
+]
+
+#: The extra key each imported event carries: the 1-based line of the log it
+#: came from (a history's own line numbers are those of the history file).
+LOG_LINE_KEY = "log_line"
+#: How many unrecognised handoff-looking lines are kept as examples.
+MAX_EXAMPLES = 5
+#: The most request ids an importer remembers at once (lease expiries still
+#: to be matched, duplicate suppression across TP ranks); the oldest is
+#: forgotten first, so memory stays bounded on any log.
+MAX_TRACKED = 1 << 16
+#: Characters of an unrecognised line kept in an example.
+_EXAMPLE_CHARS = 300
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+#: Spool events in memory up to this size, then on disk.
+_SPOOL_BYTES = 8 << 20
+
+
+@attrs.frozen
+class Unrecognised:
+    """A line that looks like a handoff line but matches no known format."""
+
+    line: int
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"line": self.line, "text": self.text}
+
+
+@attrs.frozen
+class ImportResult:
+    """What an import read and wrote.
+
+    ``engine`` and ``source`` name the engine and the version of its source
+    code whose log formats were read; ``lines`` is the number of log lines,
+    ``events`` the number of events written, ``recognised`` counts the lines
+    of each known format (by name, in the importer's order; formats that give
+    no event are counted too), ``unrecognised`` the handoff-looking lines that
+    matched no format, ``examples`` the first of them.  ``observed`` is the
+    set of event kinds the header declares; ``debug`` says whether the log
+    holds DEBUG lines (more kinds are observed then).
+    """
+
+    engine: str
+    source: str
+    lines: int
+    events: int
+    recognised: Mapping[str, int]
+    unrecognised: int
+    examples: tuple[Unrecognised, ...]
+    observed: tuple[str, ...]
+    debug: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "source": self.source,
+            "lines": self.lines,
+            "events": self.events,
+            "recognised": dict(self.recognised),
+            "unrecognised": self.unrecognised,
+            "examples": [e.to_dict() for e in self.examples],
+            "observed": list(self.observed),
+            "debug": self.debug,
+        }
+
+
+#: A handler turns a match into event objects (dicts, ``"ev"`` first, without
+#: the log line, which is added for it).  It may return an empty list: the
+#: line is known and means no event (a duplicate of another TP rank's line, a
+#: line that only confirms an earlier one).
+Handler = Callable[["re.Match[str]"], list]
+
+
+@attrs.frozen
+class Pattern:
+    """One known log format: a cheap ``anchor`` substring every such line
+    contains, the ``regex`` (searched in the line) and the method of the
+    importer that handles a match (by name).  ``level`` is the level the
+    engine logs it at."""
+
+    name: str
+    anchor: str
+    regex: "re.Pattern[str]"
+    handler: str
+    level: str
+
+
+class Bounded:
+    """A set that forgets its oldest members beyond ``limit``."""
+
+    def __init__(self, limit: int = MAX_TRACKED) -> None:
+        self._items: "collections.OrderedDict[object, None]" = collections.OrderedDict()
+        self._limit = limit
+
+    def add(self, item: object) -> bool:
+        """Add ``item``; False when it was already there."""
+        if item in self._items:
+            return False
+        self._items[item] = None
+        if len(self._items) > self._limit:
+            self._items.popitem(last=False)
+        return True
+
+    def discard(self, item: object) -> bool:
+        """Remove ``item``; True when it was there."""
+        return self._items.pop(item, 0) is None
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+
+class LogImporter:
+    """Base of the engine importers.
+
+    A subclass sets :attr:`ENGINE`, :attr:`SOURCE` (the engine and version
+    whose source fixes the formats), :attr:`POLICY`, :attr:`PATTERNS`,
+    :attr:`KEYWORDS` (a line without any of them is skipped at once: the fast
+    path of long logs), :attr:`HANDOFF` (what makes an unknown line look like
+    a handoff line) and the kinds it observes (:attr:`KINDS`, and
+    :attr:`DEBUG_KINDS` when DEBUG lines add some).  One instance reads one
+    log.
+    """
+
+    ENGINE: ClassVar[str] = ""
+    SOURCE: ClassVar[str] = ""
+    POLICY: ClassVar[str] = "push"
+    PATTERNS: ClassVar[Sequence[Pattern]] = ()
+    KEYWORDS: ClassVar[tuple[str, ...]] = ()
+    HANDOFF: ClassVar["re.Pattern[str]"] = re.compile(r"(?!)")
+    KINDS: ClassVar[tuple[str, ...]] = ()
+    DEBUG_KINDS: ClassVar[tuple[str, ...]] = ()
+    #: the fields each observed kind records (a kind not here records all)
+    RECORDS: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    #: how a DEBUG line of this engine looks (decides :attr:`DEBUG_KINDS`)
+    DEBUG_MARK: ClassVar[str] = " DEBUG "
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {p.name: 0 for p in self.PATTERNS}
+        self.unrecognised = 0
+        self.examples: list[Unrecognised] = []
+        self.debug = False
+        self.lines = 0
+        self._handlers = [(p.name, p.anchor, p.regex, getattr(self, p.handler)) for p in self.PATTERNS]
+
+    def observed(self) -> tuple[str, ...]:
+        """The event kinds this log lets the history declare observed."""
+        kinds = set(self.KINDS) | (set(self.DEBUG_KINDS) if self.debug else set())
+        return tuple(sorted(kinds))
+
+    def observation(self, kinds: Iterable[str] | None = None) -> Observation:
+        """The header's ``observed``: ``kinds`` (default :meth:`observed`)
+        with the fields each records."""
+        kinds = self.observed() if kinds is None else tuple(kinds)
+        return Observation(kinds, {k: self.RECORDS[k] for k in kinds if k in self.RECORDS})
+
+    def events(self, lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+        """The event objects of ``lines`` (a log, one line per item, line 1
+        first), each with its log line under :data:`LOG_LINE_KEY`."""
+        keywords = self.KEYWORDS
+        handlers = self._handlers
+        mark = self.DEBUG_MARK
+        debug = False
+        lineno = 0
+        for lineno, line in enumerate(lines, 1):
+            if not debug and mark in line:
+                debug = self.debug = True
+            for keyword in keywords:
+                if keyword in line:
+                    break
+            else:
+                continue
+            if "\x1b" in line:
+                line = _ANSI.sub("", line)
+            for name, anchor, regex, handle in handlers:
+                if anchor in line:
+                    match = regex.search(line)
+                    if match is not None:
+                        self.counts[name] += 1
+                        for obj in handle(match):
+                            obj[LOG_LINE_KEY] = lineno
+                            yield obj
+                        break
+            else:
+                if self.HANDOFF.search(line):
+                    self.unrecognised += 1
+                    if len(self.examples) < MAX_EXAMPLES:
+                        self.examples.append(Unrecognised(lineno, line.rstrip("\r\n")[:_EXAMPLE_CHARS]))
+        self.lines = lineno
+
+    def header(self, observation: Observation | None = None) -> HistoryHeader:
+        """The header of the imported history: partial (feature
+        ``observed``), not complete (a log excerpt need not run until the
+        system went quiet); ``observation`` defaults to what the log read so
+        far showed (:meth:`observation`)."""
+        return HistoryHeader(
+            policy=self.POLICY,
+            complete=False,
+            features={"observed"},
+            observed=self.observation() if observation is None else observation,
+            extra={"description": f"imported from a {self.ENGINE} log by pdproto import",
+                   "source": self.SOURCE},
+        )
+
+
+def _open_log(path: str) -> IO[str]:
+    if path == "-":
+        return open(sys.stdin.fileno(), encoding="utf-8", errors="replace", closefd=False)
+    try:
+        return open(path, encoding="utf-8", errors="replace", newline="")
+    except FileNotFoundError:
+        raise UsageError("LOG", path, "a readable log file (no such file)") from None
+    except IsADirectoryError:
+        raise UsageError("LOG", path, "a readable log file, not a directory") from None
+    except OSError as exc:
+        raise UsageError("LOG", path, f"a readable log file ({exc.strerror or exc})") from None
+
+
+def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None) -> ImportResult:
+    """Read the log at ``log`` ('-': standard input) with ``importer`` and
+    write the partial history to ``out``: a path (written to a temporary file
+    beside it and renamed over it only when complete, so an existing file is
+    never left half-written), an open text stream, or None (standard output).
+    """
+    with _open_log(log) as fh, tempfile.SpooledTemporaryFile(
+        max_size=_SPOOL_BYTES, mode="w+", encoding="utf-8"
+    ) as spool:
+        # The spool starts with a provisional header observing every kind the
+        # engine can show, so the writer checks each event against it; the
+        # final header (what this log showed) replaces that line.
+        widest = importer.header(importer.observation(importer.KINDS + importer.DEBUG_KINDS))
+        writer = HistoryWriter(spool, widest)
+        observed, features = widest.observed, widest.features
+        count = 0
+        for obj in importer.events(_lines(fh, log)):
+            writer.write(event_from_dict(obj, features, observed=observed))
+            count += 1
+        header = importer.header()
+        spool.seek(0)
+        spool.readline()
+        if out is None or not isinstance(out, str):
+            stream = sys.stdout if out is None else out
+            HistoryWriter(stream, header)
+            shutil.copyfileobj(spool, stream)
+            stream.flush()
+        else:
+            _write_atomically(out, header, spool)
+    return ImportResult(
+        engine=importer.ENGINE,
+        source=importer.SOURCE,
+        lines=importer.lines,
+        events=count,
+        recognised=dict(importer.counts),
+        unrecognised=importer.unrecognised,
+        examples=tuple(importer.examples),
+        observed=importer.observed(),
+        debug=importer.debug,
+    )
+
+
+def _lines(fh: IO[str], log: str) -> Iterator[str]:
+    try:
+        yield from fh
+    except OSError as exc:
+        raise UsageError("LOG", log, f"a readable log file ({exc.strerror or exc})") from None
+
+
+def _write_atomically(path: str, header: HistoryHeader, spool: IO[str]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".pdproto-import-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            HistoryWriter(fh, header)
+            shutil.copyfileobj(spool, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

@@ -1,0 +1,177 @@
+"""The vLLM importer: the NIXL connector's handoff lines -> a partial history.
+
+Formats read from vLLM 0.32.0's own source (:data:`SOURCE`), the version the
+vLLM adapter targets; the older wording of 0.10 and 0.11 (one file,
+``nixl_connector.py``, a timeout instead of a lease) is recognised too, since
+public reports quote it.  A vLLM log line is
+``(PROCESS pid=N) LEVEL MM-DD HH:MM:SS [FILE:LINE] MESSAGE`` (``vllm/logger.py``);
+only the message is matched, so older prefixes, colours and shrunk paths read
+the same.
+
+| line (level, file) | side | events |
+|---|---|---|
+| ``NIXLConnector request_finished(R), request_status=S, kv_transfer_params=P`` (DEBUG, ``nixl/pull_scheduler.py``) | P (``do_remote_decode`` in P) | S finished: none (P's part is over, its blocks held for D under a lease); S aborted or errored: ``cancel`` / ``fail`` and ``free`` (R on P0, freed at once) |
+| same | D | S stopped or length: ``finish`` and ``free`` (R on D0); aborted / errored: ``cancel`` / ``fail`` (the free may wait for the READ, vllm#32255: see ``Finished recving``) |
+| ``Finished sending KV transfer for request R`` (DEBUG, ``v1/core/sched/scheduler.py``) | P | ``transfer_read_done`` (D said it read, or that it never will) and ``free`` (R on P0); nothing after a lease expiry of R (already freed) |
+| ``Finished recving KV transfer for request R`` (DEBUG, same) | D | ``transfer_write_done`` (R's READ landed in D); and ``free`` (R on D0) when R was already cancelled |
+| ``Releasing expired KV blocks for request R which were retrieved by N remote worker(s) before lease expired.`` (WARNING, ``nixl/base_worker.py``) | P | ``free`` (R on P0): the lease ran out, the source blocks go back |
+| ``Potentially invalid KV blocks for unrecognized request R were retrieved by a decode worker. They may have expired.`` (ERROR, ``nixl/pull_worker.py``) | P | ``transfer_read_done`` (R): a READ of R's source ended now |
+| ``NIXL transfer failure: TYPE | Context: {...'request_id': 'R'...}`` (ERROR, ``nixl/base_worker.py``) | D | TYPE ``transfer_failed``, ``transfer_exception``, ``transfer_setup_failed``, ``handshake_failed``, ``handshake_setup_failed``: ``transfer_failed`` (R); other types (a failed notification or handle release): none |
+
+Known lines that mean no event: ``request_finished(R) waiting for N seconds``,
+``get_num_new_matched_tokens``, ``update_state_after_alloc``, heartbeats,
+``get_finished`` counts.  Request ids are the engine's own: P and D name a
+request differently (vLLM adds a random suffix per instance), so a log of both
+sides holds two requests for one handoff.  Worker-side lines come once per TP
+rank; the importer writes one event per request for them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+from ._base import Bounded, LogImporter, Pattern
+
+__all__ = ["VllmImporter", "SOURCE"]
+
+#: The vLLM source whose log formats this importer reads.
+SOURCE = "vLLM 0.32.0 (NIXL connector: vllm/distributed/kv_transfer/kv_connector/v1/nixl/, v1/core/sched/scheduler.py)"
+
+P, D = "P0", "D0"
+
+_FINISHED = {
+    "FINISHED_STOPPED": ("finish", "stop"),
+    "FINISHED_LENGTH_CAPPED": ("finish", "length"),
+    "FINISHED_ABORTED": ("cancel", "abort"),
+    "FINISHED_ERROR": ("fail", "error"),
+    "FINISHED_IGNORED": ("fail", "ignored"),
+}
+#: NIXL failure types after which no byte of that request's READ can still move.
+_FAILED_TYPES = frozenset(
+    {"transfer_failed", "transfer_exception", "transfer_setup_failed", "handshake_failed", "handshake_setup_failed"}
+)
+_REQUEST_ID = re.compile(r"""['"]request_id['"]:\s*(?:'([^']*)'|"([^"]*)"|None)""")
+
+
+def _status(text: str) -> str:
+    return text.rsplit(".", 1)[-1]  # RequestStatus.FINISHED_STOPPED -> FINISHED_STOPPED
+
+
+class VllmImporter(LogImporter):
+    ENGINE = "vllm"
+    SOURCE = SOURCE
+    POLICY = "pull"
+    KEYWORDS = ("KV", "NIXL")
+    KINDS = ("free", "transfer_failed", "transfer_read_done")
+    DEBUG_KINDS = ("cancel", "fail", "finish", "transfer_write_done")
+    #: the fields each kind records: no block ids (vLLM logs none), no
+    #: generation (vLLM has none: a retry is a new request id), no transfer id
+    #: (the NIXL connector keys transfers by request)
+    RECORDS = {
+        "free": ("worker", "request"),
+        "transfer_read_done": ("request", "src"),
+        "transfer_write_done": ("request", "dst"),
+        "transfer_failed": ("request", "dst"),
+        "finish": ("request", "reason"),
+        "cancel": ("request", "reason"),
+        "fail": ("request", "reason"),
+    }
+    HANDOFF: ClassVar["re.Pattern[str]"] = re.compile(
+        r"(?i)(\brequest\b|\breq(?:uest)?_id\b).*\b(kv|nixl|transfer|blocks?|lease)\b"
+        r"|\b(kv|nixl|transfer|blocks?|lease)\b.*(\brequest\b|\breq(?:uest)?_id\b)"
+    )
+    PATTERNS = (
+        Pattern("request_finished", "request_finished(",
+                re.compile(r"request_finished\((.+?)\), request_status=(\S+), kv_transfer_params=(.*)$"),
+                "_request_finished", "DEBUG"),
+        Pattern("request_finished_waiting", "request_finished(",
+                re.compile(r"request_finished\((.+?)\) waiting for \d+ seconds"), "_nothing", "DEBUG"),
+        Pattern("finished_sending", "Finished sending KV transfer",
+                re.compile(r"Finished sending KV transfer for request (\S+)"), "_finished_sending", "DEBUG"),
+        Pattern("finished_recving", "Finished recving KV transfer",
+                re.compile(r"Finished recving KV transfer for request (\S+)"), "_finished_recving", "DEBUG"),
+        Pattern("lease_expired", "Releasing expired KV blocks",
+                re.compile(r"Releasing expired KV blocks for request (\S+) which were retrieved by (\d+) "
+                           r"(?:remote|decode) worker\(s\)"),
+                "_lease_expired", "WARNING"),
+        Pattern("read_after_expiry", "Potentially invalid KV blocks",
+                re.compile(r"Potentially invalid KV blocks for unrecognized request (\S+) were retrieved"),
+                "_late_read", "ERROR"),
+        Pattern("transfer_failure", "NIXL transfer failure",
+                re.compile(r"NIXL transfer failure: ([A-Za-z_]+)\S*.*? \| Context: (.*)$"),
+                "_failure", "ERROR"),
+        Pattern("get_num_new_matched_tokens", "get_num_new_matched_tokens",
+                re.compile(r"get_num_new_matched_tokens: num_computed_tokens="), "_nothing", "DEBUG"),
+        Pattern("update_state_after_alloc", "update_state_after_alloc",
+                re.compile(r"update_state_after_alloc: num_external_tokens="), "_nothing", "DEBUG"),
+        Pattern("heartbeat", "Heartbeat extended lease",
+                re.compile(r"Heartbeat extended lease for request \S+"), "_nothing", "DEBUG"),
+        Pattern("get_finished", "get_finished:",
+                re.compile(r"get_finished: \d+ requests done sending"), "_nothing", "DEBUG"),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._expired = Bounded()  # P requests whose lease ran out: their free is written
+        self._cancelled = Bounded()  # D requests cancelled: a late finished_recving frees them
+        self._once = Bounded()  # (line kind, request) of worker-side lines: one per TP rank
+
+    def _nothing(self, match: "re.Match[str]") -> list:
+        return []
+
+    def _request_finished(self, match: "re.Match[str]") -> list:
+        request, status, params = match.group(1), _status(match.group(2)), match.group(3)
+        if params.strip() in ("None", "{}", ""):
+            return []  # not a P/D request
+        p_side = "'do_remote_decode': True" in params or '"do_remote_decode": true' in params
+        kind, reason = _FINISHED.get(status, ("fail", status.lower()))
+        if p_side:
+            if kind == "finish":
+                return []  # P's part is over; its blocks are held for D's READ (a lease)
+            return [{"ev": kind, "request": request, "reason": reason},
+                    {"ev": "free", "worker": P, "request": request}]
+        if kind == "finish":
+            return [{"ev": "finish", "request": request, "reason": reason},
+                    {"ev": "free", "worker": D, "request": request}]
+        self._cancelled.add(request)
+        return [{"ev": kind, "request": request, "reason": reason}]
+
+    def _finished_sending(self, match: "re.Match[str]") -> list:
+        request = match.group(1)
+        if self._expired.discard(request):
+            return []  # the expiry's free, written at the expiry line
+        return [{"ev": "transfer_read_done", "request": request, "src": P},
+                {"ev": "free", "worker": P, "request": request}]
+
+    def _finished_recving(self, match: "re.Match[str]") -> list:
+        request = match.group(1)
+        out: list[dict[str, Any]] = [{"ev": "transfer_write_done", "request": request, "dst": D}]
+        if self._cancelled.discard(request):
+            out.append({"ev": "free", "worker": D, "request": request})
+        return out
+
+    def _lease_expired(self, match: "re.Match[str]") -> list:
+        request = match.group(1)
+        if not self._once.add(("expired", request)):
+            return []
+        self._expired.add(request)
+        return [{"ev": "free", "worker": P, "request": request,
+                 "reason": "lease expired", "retrieved_by": int(match.group(2))}]
+
+    def _late_read(self, match: "re.Match[str]") -> list:
+        request = match.group(1)
+        if not self._once.add(("late_read", request)):
+            return []
+        return [{"ev": "transfer_read_done", "request": request, "src": P,
+                 "reason": "read by a decode worker after P released it"}]
+
+    def _failure(self, match: "re.Match[str]") -> list:
+        failure, context = match.group(1), match.group(2)
+        if failure not in _FAILED_TYPES:
+            return []
+        found = _REQUEST_ID.search(context)
+        request = (found.group(1) or found.group(2)) if found else None
+        if not request or not self._once.add(("failed", request)):
+            return []
+        return [{"ev": "transfer_failed", "request": request, "dst": D, "reason": failure}]
