@@ -281,7 +281,7 @@ def test_v11_header_round_trips():
 
 def test_v11_events_parse_with_their_features():
     reader, evs = read(lines(V11, XFER | {"layers": [0, 2], "tokens": [2, 7]}, SHARE))
-    assert reader.header.version == "1.1" and reader.header.features == set(FEATURES) - {"boundary"}
+    assert reader.header.version == "1.1" and reader.header.features == set(FEATURES) - {"boundary", "observed"}
     (_, xfer), (_, share) = evs
     assert xfer.layers == (0, 2) and xfer.tokens == (2, 7) and not xfer.extra
     assert share == Share("r2", 0, "P0", (0,), tokens=4)

@@ -25,7 +25,9 @@ from ._events import FEATURES as FEATURES
 from ._events import FEATURE_KINDS as FEATURE_KINDS
 from ._events import FEATURE_FIELDS as FEATURE_FIELDS
 from ._events import EVENT_TYPES as EVENT_TYPES
+from ._events import OMITTABLE as OMITTABLE
 from ._events import event_from_dict as event_from_dict
+from ._observed import Observation as Observation
 from ._history import FORMAT_VERSION as FORMAT_VERSION
 from ._history import FORMAT_VERSIONS as FORMAT_VERSIONS
 from ._history import KV_DTYPES as KV_DTYPES
@@ -73,7 +75,9 @@ __all__ = [
     "FEATURE_KINDS",
     "FEATURE_FIELDS",
     "EVENT_TYPES",
+    "OMITTABLE",
     "event_from_dict",
+    "Observation",
     "FORMAT_VERSION",
     "FORMAT_VERSIONS",
     "KV_DTYPES",

@@ -49,6 +49,7 @@ __all__ = [
     "FEATURES",
     "FEATURE_KINDS",
     "FEATURE_FIELDS",
+    "OMITTABLE",
     "event_from_dict",
 ]
 
@@ -60,6 +61,7 @@ _BLOCKS = "blocks"  # a list of ints >= 0, stored as a tuple
 _OPT_STR = "str?"
 _OPT_NAT = "nat?"
 _OPT_RANGE = "range?"  # a half-open range [lo, hi) of ints, 0 <= lo < hi, stored as a tuple
+_OPT_BLOCKS = "blocks?"  # blocks a partial history may leave out (feature ``observed``)
 
 _EXPECT = {
     _STR: "a non-empty string",
@@ -68,7 +70,11 @@ _EXPECT = {
     _OPT_STR: "a non-empty string",
     _OPT_NAT: "an integer >= 0",
     _OPT_RANGE: "a half-open range [lo, hi] of two integers with 0 <= lo < hi",
+    _OPT_BLOCKS: "a list of integers >= 0 (block ids)",
 }
+#: a field kind made optional (left out by a partial history), and back
+_OPTIONAL_OF = {_STR: _OPT_STR, _NAT: _OPT_NAT, _BLOCKS: _OPT_BLOCKS}
+_REQUIRED_OF = {v: k for k, v in _OPTIONAL_OF.items()}
 
 #: The features a version 1.1 history may declare in its header, each with
 #: what it adds (docs/history-format.md).
@@ -80,6 +86,9 @@ FEATURES: Mapping[str, str] = {
     "parallel": "tp and pp on a declared worker: tensor- and pipeline-parallel ranks per worker",
     "boundary": "the header's boundary: the first-token convention (the seed's sampled token, or "
     "vLLM's recompute of the last prompt token)",
+    "observed": "the header's observed object: a partial history that records only some event kinds "
+    "(and of some kinds only some fields), as a real engine's log does; transfer completions may "
+    "name their request, gen, src and dst",
 }
 #: Event kinds that exist only with a feature declared.
 FEATURE_KINDS: Mapping[str, str] = {"share": "share"}
@@ -88,6 +97,11 @@ FEATURE_KINDS: Mapping[str, str] = {"share": "share"}
 FEATURE_FIELDS: Mapping[tuple[str, str], str] = {
     ("transfer_start", "layers"): "ranges",
     ("transfer_start", "tokens"): "ranges",
+    **{
+        (ev, name): "observed"
+        for ev in ("transfer_read_done", "transfer_write_done", "transfer_failed", "transfer_abort")
+        for name in ("request", "gen", "src", "dst")
+    },
 }
 
 
@@ -102,7 +116,7 @@ def _check(kind: str, value: object) -> object:
     elif kind in (_NAT, _OPT_NAT):
         if _is_nat(value):
             return value
-    elif kind == _BLOCKS:
+    elif kind in (_BLOCKS, _OPT_BLOCKS):
         if type(value) in (list, tuple) and all(_is_nat(b) for b in value):
             return tuple(value)
     elif kind == _OPT_RANGE:
@@ -122,7 +136,8 @@ def _range(value: Any) -> tuple[int, int] | None:
 
 
 def _blocks(value: Any) -> tuple[int, ...]:
-    return value if type(value) is tuple else tuple(value)
+    # None: left out by a partial history (feature ``observed``)
+    return value if type(value) is tuple or value is None else tuple(value)
 
 
 def _event(cls: type) -> type:
@@ -151,7 +166,7 @@ class Event:
             value = getattr(self, name)
             if value is None:
                 continue
-            out[name] = list(value) if kind in (_BLOCKS, _OPT_RANGE) else value
+            out[name] = list(value) if kind in (_BLOCKS, _OPT_RANGE, _OPT_BLOCKS) else value
         extra = self.extra  # type: ignore[attr-defined]
         if extra:
             for key, value in extra.items():
@@ -169,11 +184,32 @@ _EXTRA = attrs.field(factory=dict, kw_only=True, hash=False, repr=False)
 
 @_event
 class _TransferOnly:
-    """The fields of an event that names only its transfer."""
+    """The fields of a transfer's completion (or abort): its transfer, and
+    (format 1.1, feature ``observed``) optionally its request, gen and
+    workers, which a partial history whose source names requests rather
+    than transfers records (then ``transfer`` may be None: not observed).
+    The repr leaves out the optional fields that are unset."""
 
-    FIELDS: ClassVar[Mapping[str, str]] = {"transfer": _STR}
+    FIELDS: ClassVar[Mapping[str, str]] = {
+        "transfer": _STR,
+        "request": _OPT_STR,
+        "gen": _OPT_NAT,
+        "src": _OPT_STR,
+        "dst": _OPT_STR,
+    }
     transfer: str
+    request: str | None = None
+    gen: int | None = None
+    src: str | None = None
+    dst: str | None = None
     extra: dict = _EXTRA
+
+    def __repr__(self) -> str:
+        parts = [f"transfer={self.transfer!r}"] + [
+            f"{name}={getattr(self, name)!r}" for name in ("request", "gen", "src", "dst")
+            if getattr(self, name) is not None
+        ]
+        return f"{type(self).__name__}({', '.join(parts)})"
 
 
 @_event
@@ -302,6 +338,10 @@ class TransferAbort(_TransferOnly, Event):
     EV = "transfer_abort"
 
 
+for _cls in (TransferReadDone, TransferWriteDone, TransferFailed, TransferAbort):
+    _cls.__repr__ = _TransferOnly.__repr__  # type: ignore[method-assign]
+
+
 @_event
 class Commit(Event):
     EV = "commit"
@@ -412,6 +452,57 @@ EVENT_TYPES: Mapping[str, type[Event]] = {
 }
 
 
+_GEN = frozenset({"gen"})
+_COMPLETION = frozenset({"transfer", "request", "gen", "src", "dst"})
+
+#: For each event kind, the fields a partial history (feature ``observed``)
+#: may leave out when its header's ``observed.fields`` does not list them
+#: (docs/history-format.md says what each omission means): the generation
+#: everywhere (then: the request's latest), the blocks of a ``free`` (then:
+#: every block the request holds on that worker), the transfer of a
+#: completion (then: the request's transfer(s) between ``src`` and ``dst``),
+#: a submit's prompt length.  Every other field is always recorded.
+OMITTABLE: Mapping[str, frozenset[str]] = {
+    "submit": frozenset({"gen", "prompt_len", "max_new_tokens"}),
+    "reserve": _GEN,
+    "prefill_start": _GEN,
+    "prefill_done": _GEN,
+    "alloc": _GEN,
+    "transfer_start": _GEN | {"layers", "tokens"},
+    "transfer_read_done": _COMPLETION,
+    "transfer_write_done": _COMPLETION,
+    "transfer_failed": _COMPLETION,
+    "transfer_abort": _COMPLETION,
+    "commit": _GEN,
+    "decode": _GEN,
+    "finish": _GEN | {"reason"},
+    "cancel": _GEN | {"reason"},
+    "fail": _GEN | {"reason"},
+    "free": frozenset({"blocks", "request", "gen"}),
+    "restart": frozenset(),
+    "share": _GEN,
+}
+#: Kinds whose recorded fields must include at least one of these (else an
+#: event of the kind says nothing the monitor can use).
+ONE_OF_RECORDED: Mapping[str, tuple[str, ...]] = {
+    ev: ("blocks", "request") if ev == "free" else ("transfer", "request") if ev.startswith("transfer_") and ev != "transfer_start" else ()
+    for ev in EVENT_TYPES
+}
+
+
+def field_kinds(ev: str, recorded: frozenset[str] | None = None) -> Mapping[str, str]:
+    """The field specification the reader applies to events of kind ``ev``:
+    its ``FIELDS``, or, when a partial history lists the fields it records
+    (``recorded``), those fields required and every other one optional."""
+    fields = EVENT_TYPES[ev].FIELDS
+    if recorded is None:
+        return fields
+    return {
+        n: _REQUIRED_OF.get(k, k) if n in recorded else _OPTIONAL_OF.get(k, k)
+        for n, k in fields.items()
+    }
+
+
 def undeclared_feature(
     what: str, feature: str, features: frozenset[str], field: str, value: object = None
 ) -> HistoryFormatError:
@@ -425,7 +516,13 @@ def undeclared_feature(
     )
 
 
-def event_from_dict(obj: object, features: Iterable[str] | None = None, *, legacy: bool = False) -> Event:
+def event_from_dict(
+    obj: object,
+    features: Iterable[str] | None = None,
+    *,
+    legacy: bool = False,
+    observed: Any = None,
+) -> Event:
     """Parse one event object, strictly.
 
     ``features`` are the format 1.1 features the history declares (see
@@ -435,6 +532,10 @@ def event_from_dict(obj: object, features: Iterable[str] | None = None, *, legac
     a feature's field is an unknown extra key.  Raises
     :class:`HistoryFormatError` (without a line; the reader adds it) naming the
     field and the offending value.
+
+    ``observed`` (a :class:`~pdproto.spec.Observation`, or None for a complete
+    history) refuses the kinds it does not observe and lets an event leave
+    out the fields it does not record.
     """
     allowed = None if features is None else frozenset(features)
     if legacy:
@@ -464,9 +565,20 @@ def event_from_dict(obj: object, features: Iterable[str] | None = None, *, legac
             field="ev",
             value=ev,
         )
+    spec = cls.FIELDS
+    if observed is not None:
+        if ev not in observed.kinds:
+            raise HistoryFormatError(
+                f"event kind {ev!r} is not one the header's observed.kinds lists "
+                f"({', '.join(sorted(observed.kinds)) or 'none'}): a partial history holds only "
+                "the kinds it observed",
+                field="ev",
+                value=ev,
+            )
+        spec = field_kinds(ev, observed.fields.get(ev))
     kwargs: dict[str, Any] = {}
     extra_fields: set[str] = set()
-    for name, kind in cls.FIELDS.items():
+    for name, kind in spec.items():
         feature = FEATURE_FIELDS.get((ev, name))
         if feature is not None and allowed is not None and feature not in allowed:
             if not legacy and name in obj:
@@ -475,7 +587,13 @@ def event_from_dict(obj: object, features: Iterable[str] | None = None, *, legac
             continue
         if name not in obj or (obj[name] is None and kind.endswith("?")):
             if kind.endswith("?"):
+                kwargs[name] = None
                 continue
+            if observed is not None and name in observed.fields.get(ev, ()):
+                raise HistoryFormatError(
+                    f"missing field of {ev!r}, which the header's observed.fields says every {ev!r} records",
+                    field=name,
+                )
             raise HistoryFormatError(f"missing required field of {ev!r}", field=name)
         value = obj[name]
         try:
@@ -499,6 +617,7 @@ _INT_ONLY = frozenset((int,))
 _SCALARS = frozenset((str, int, float, bool, type(None)))
 
 _FAST_CHECK = {
+    _OPT_BLOCKS: "({v} is None or (type({v}) is list and (not {v} or (set(map(type, {v})) <= _INT_ONLY and min({v}) >= 0))))",
     _STR: "(type({v}) is str and {v} != '')",
     _NAT: "(type({v}) is int and {v} >= 0)",
     _BLOCKS: "(type({v}) is list and (not {v} or (set(map(type, {v})) <= _INT_ONLY and min({v}) >= 0)))",
@@ -509,16 +628,19 @@ _FAST_CHECK = {
 }
 
 
-def _make_fast_parser(cls: type[Event], features: frozenset[str] | None = None) -> Callable[[dict], Event | None]:
+def _make_fast_parser(
+    cls: type[Event], features: frozenset[str] | None = None, recorded: frozenset[str] | None = None
+) -> Callable[[dict], Event | None]:
     names = [a.name for a in attrs.fields(cls) if a.name != "extra"]
     assert names == list(cls.FIELDS), (cls, names)
+    spec = field_kinds(cls.EV, recorded)
     # fields of an undeclared feature: left to the careful path whenever present
     absent = [
         n
         for n in cls.FIELDS
         if features is not None and FEATURE_FIELDS.get((cls.EV, n), "") not in features | {""}
     ]
-    items = [(i, n, k) for i, (n, k) in enumerate(cls.FIELDS.items()) if n not in absent]
+    items = [(i, n, k) for i, (n, k) in enumerate(spec.items()) if n not in absent]
     required = [(i, n, k) for i, n, k in items if not k.endswith("?")]
     optional = [(i, n, k) for i, n, k in items if k.endswith("?")]
     lines = ["def parse(obj):"]
@@ -536,11 +658,13 @@ def _make_fast_parser(cls: type[Event], features: frozenset[str] | None = None) 
             return "None"
         if k == _BLOCKS:
             return f"tuple(v{i})"
+        if k == _OPT_BLOCKS:
+            return f"(None if v{i} is None else tuple(v{i}))"
         if k == _OPT_RANGE:
             return f"(None if v{i} is None else tuple(v{i}))"
         return f"v{i}"
 
-    args = ", ".join(arg(i, n, k) for i, (n, k) in enumerate(cls.FIELDS.items()))
+    args = ", ".join(arg(i, n, k) for i, (n, k) in enumerate(spec.items()))
     count = " + ".join([str(1 + len(required))] + [f"({n!r} in obj)" for _, n, _ in optional])
     lines.append(f"    if len(obj) == {count}:")
     lines.append(f"        return cls({args}, extra={{}})")
@@ -563,14 +687,19 @@ def _make_fast_parser(cls: type[Event], features: frozenset[str] | None = None) 
 
 
 @functools.lru_cache(maxsize=None)
-def fast_parsers(features: frozenset[str] | None = None) -> Mapping[str, Callable[[dict], Event | None]]:
+def fast_parsers(
+    features: frozenset[str] | None = None, observed: Any = None
+) -> Mapping[str, Callable[[dict], Event | None]]:
     """The generated parser of each event kind a history with these
     ``features`` may contain (None: every feature).  A field of an undeclared
-    feature is left to :func:`event_from_dict`, which knows the version."""
+    feature is left to :func:`event_from_dict`, which knows the version.
+    With ``observed`` (an :class:`~pdproto.spec.Observation`), only the kinds
+    it observes, each with the fields it records."""
     return {
-        ev: _make_fast_parser(cls, features)
+        ev: _make_fast_parser(cls, features, None if observed is None else observed.fields.get(ev))
         for ev, cls in EVENT_TYPES.items()
-        if features is None or FEATURE_KINDS.get(ev, "") in features | {""}
+        if (features is None or FEATURE_KINDS.get(ev, "") in features | {""})
+        and (observed is None or ev in observed.kinds)
     }
 
 
@@ -601,13 +730,15 @@ WORKER_FIELDS: Mapping[type[Event], tuple[str, ...]] = {
 }
 
 
-def parse_event(obj: object, features: frozenset[str] | None = None, legacy: bool = False) -> Event:
+def parse_event(
+    obj: object, features: frozenset[str] | None = None, legacy: bool = False, observed: Any = None
+) -> Event:
     """Like :func:`event_from_dict`, fast for well-formed input."""
     if type(obj) is dict:
         ev = obj.get("ev")
-        fast = fast_parsers(features).get(ev) if type(ev) is str else None
+        fast = fast_parsers(features, observed).get(ev) if type(ev) is str else None
         if fast is not None:
             event = fast(obj)
             if event is not None:
                 return event
-    return event_from_dict(obj, features, legacy=legacy)
+    return event_from_dict(obj, features, legacy=legacy, observed=observed)

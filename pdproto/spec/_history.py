@@ -30,9 +30,11 @@ from ._events import (
     TransferStart,
     fast_parsers,
     features_used,
+    field_kinds,
     parse_event,
     undeclared_feature,
 )
+from ._observed import Observation
 
 #: the event classes that can use a format 1.1 feature
 _FEATURED = frozenset(EVENT_TYPES[ev] for ev in FEATURE_KINDS) | frozenset(
@@ -243,7 +245,10 @@ class HistoryHeader:
     end-of-history checks apply; ``workers``, when given, declares every
     worker's pool.  ``extra`` keeps unknown header keys.  ``boundary`` is
     the first-token convention (:data:`BOUNDARIES`; anything but the default
-    ``"sampled"`` needs feature ``boundary``, format 1.1).
+    ``"sampled"`` needs feature ``boundary``, format 1.1).  ``observed``
+    (feature ``observed``) makes the history partial: the event kinds and
+    fields its source could see (:class:`Observation`); None: every kind, a
+    complete record.
     """
 
     policy: str = attrs.field(default="push", validator=_policy)
@@ -256,6 +261,7 @@ class HistoryHeader:
     features: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     kv: KVSpec | None = None
     boundary: str = "sampled"
+    observed: Observation | None = None
 
     def __attrs_post_init__(self) -> None:
         unknown = sorted(f for f in self.features if f not in FEATURES)
@@ -276,6 +282,8 @@ class HistoryHeader:
             used.add("boundary")
         if self.workers and any(w.tp is not None or w.pp is not None for w in self.workers.values()):
             used.add("parallel")
+        if self.observed is not None:
+            used |= {"observed"} | self.observed.features_used()
         missing = sorted(used - self.features)
         if missing:
             raise ValueError(f"the header uses feature(s) {missing} without declaring them in features")
@@ -290,6 +298,8 @@ class HistoryHeader:
             out["kv"] = self.kv.to_dict()
         if "boundary" in self.features:
             out["boundary"] = self.boundary
+        if self.observed is not None:
+            out["observed"] = self.observed.to_dict()
         if self.workers is not None:
             out["workers"] = {name: spec.to_dict() for name, spec in self.workers.items()}
         for key, value in self.extra.items():
@@ -405,12 +415,19 @@ class HistoryHeader:
                     field="boundary",
                     value=boundary,
                 )
+        observed = None
+        if version != 1 and "observed" in obj:
+            if "observed" not in features:
+                raise undeclared_feature("observed", "observed", features, "observed")
+            observed = Observation.from_dict(obj["observed"])
+            for feature in sorted(observed.features_used() - features):
+                raise undeclared_feature("observed (its kinds and fields)", feature, features, "observed")
         known = {"pdproto", "version", "policy", "complete", "workers"}
         if version != 1:
-            known |= {"features", "kv", "boundary"}
+            known |= {"features", "kv", "boundary", "observed"}
         extra = {k: v for k, v in obj.items() if k not in known}
         return cls(policy=policy, complete=complete, workers=specs, extra=extra, version=version,
-                   features=features, kv=kv, boundary=boundary)
+                   features=features, kv=kv, boundary=boundary, observed=observed)
 
 
 def _parallel(
@@ -573,7 +590,7 @@ class HistoryReader:
 
     def _parse(self, line: int, obj: object) -> Event:
         try:
-            event = parse_event(obj, self.header.features, self.header.version == 1)
+            event = parse_event(obj, self.header.features, self.header.version == 1, self.header.observed)
         except HistoryFormatError as exc:
             error = exc
             if _is_header(obj):
@@ -645,7 +662,7 @@ class HistoryReader:
         # installed) and the generated per-kind parsers; anything else falls
         # to the careful path, which accepts the same lines and names errors.
         fast_loads = _fast_loads
-        parsers = fast_parsers(self.header.features)
+        parsers = fast_parsers(self.header.features, self.header.observed)
         ranged = self._ranged
         workers = self.header.workers
         worker_fields = WORKER_FIELDS
@@ -817,6 +834,10 @@ def read_events(
 class HistoryWriter:
     """Write a history: the header first, then one event per line.
 
+    A partial history (the header's ``observed``) takes only events of the
+    observed kinds, each with at least the fields the header says it records
+    (:class:`UsageError` otherwise, writing nothing).
+
     An event that uses a format 1.1 feature the header does not declare (a
     ``share`` under a version 1 header, a ranged transfer without
     ``"ranges"``) raises :class:`UsageError` and writes nothing: the file would
@@ -826,6 +847,7 @@ class HistoryWriter:
         self._stream = stream
         self.line = 0
         self.features = header.features if header is not None else frozenset()
+        self.observed = header.observed if header is not None else None
         if header is not None:
             self._write(header.to_dict())
 
@@ -844,8 +866,29 @@ class HistoryWriter:
                     f"an event the header can say: it uses feature(s) {sorted(missing)}, which the header "
                     f"does not declare (HistoryHeader(features=...))",
                 )
+        if self.observed is not None:
+            self._check_observed(event)
         self._write(event.to_dict())
         return self.line
+
+    def _check_observed(self, event: Event) -> None:
+        """A partial history holds only observed kinds, each with the fields
+        its header says it records."""
+        observed = self.observed
+        assert observed is not None
+        if event.EV not in observed.kinds:
+            raise UsageError(
+                "event", event,
+                f"an event of a kind the header's observed.kinds lists ({', '.join(sorted(observed.kinds))})",
+            )
+        spec = field_kinds(event.EV, observed.fields.get(event.EV))
+        for name, kind in spec.items():
+            if getattr(event, name) is None and not kind.endswith("?"):
+                raise UsageError(
+                    "event", event,
+                    f"an event with field {name!r}, which the header's observed.fields says every "
+                    f"{event.EV!r} records",
+                )
 
 
 def write_history(
