@@ -29,6 +29,8 @@ from .drivers import Step as Step
 from .drivers import explore as explore
 from .drivers import audit as audit
 from .drivers import AuditResult as AuditResult
+from .drivers import conform as conform
+from .drivers import ConformanceResult as ConformanceResult
 from .drivers import replay as replay
 from .drivers import ReplayResult as ReplayResult
 from .drivers import fuzz as fuzz
@@ -151,6 +153,8 @@ __all__ = [
     "ExploreResult",
     "audit",
     "AuditResult",
+    "conform",
+    "ConformanceResult",
     "replay",
     "ReplayResult",
     "fuzz",

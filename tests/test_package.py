@@ -51,7 +51,7 @@ def test_every_command_is_registered(capsys):
     parser = build_parser()
     choices = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     assert list(choices) == list(COMMANDS)
-    assert set(COMMANDS) == {"check", "fuzz", "audit", "import", "replay", "cost", "simulate"}
+    assert set(COMMANDS) == {"check", "fuzz", "audit", "conform", "import", "replay", "cost", "simulate"}
 
 
 def test_no_command_prints_help_and_exits_2(capsys):
@@ -86,7 +86,8 @@ PUBLIC = {
     "Action", "ActionNotEnabled", "Model", "Renaming", "FAULT_KINDS", "ModelConfig",
     "parse_faults", "Handoff", "HandoffModel", "transition_table",
     # the drivers
-    "explore", "ExploreResult", "Counterexample", "Step", "audit", "AuditResult", "replay",
+    "explore", "ExploreResult", "Counterexample", "Step", "audit", "AuditResult", "conform",
+    "ConformanceResult", "replay",
     "ReplayResult", "fuzz", "FuzzResult", "load_model", "list_models", "ModelInfo",
     "Adapter", "ModelAdapter", "load_adapter", "fuzz_adapter", "replay_on_adapter",
     # the torch backend, loaded on first use

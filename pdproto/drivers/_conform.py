@@ -391,7 +391,10 @@ class _Shape:
     ranges: set = attrs.field(factory=set)  # the token ranges its transfers moved (a few)
 
 
-def _shapes(events: Iterable[tuple[int, Event]]) -> dict[str, _Shape]:
+def _shapes(events: Iterable[tuple[int, Event]], roles: Mapping[str, str]) -> dict[str, _Shape]:
+    """What each request's events say of its shape: prompt length, token
+    budget, block counts, chunks (a pre-pass: the model of a request is
+    built before its first event is matched)."""
     out: dict[str, _Shape] = {}
     for _, e in events:
         r = getattr(e, "request", None)
@@ -416,8 +419,16 @@ def _shapes(events: Iterable[tuple[int, Event]]) -> dict[str, _Shape]:
             sh.src = len(e.blocks)
         elif ev == "reserve" and sh.dst is None:
             sh.dst = len(e.blocks)
+        elif ev == "free" and e.blocks is not None:
+            role = roles.get(e.worker)
+            if role == "prefill" and sh.src is None:
+                sh.src = len(e.blocks)
+            elif role == "decode" and sh.dst is None:
+                sh.dst = len(e.blocks)
         elif ev == "transfer_start":
             sh.chunks[e.ticket] = sh.chunks.get(e.ticket, 0) + 1
+            if sh.src is None and e.tokens is None and e.layers is None:
+                sh.src = len(e.src_blocks)
             sh.layers = sh.layers or e.layers is not None
             if e.tokens is not None and len(sh.ranges) < 8:
                 sh.ranges.add(e.tokens)
@@ -471,10 +482,15 @@ def _infer_block_size(shapes: Mapping[str, _Shape]) -> int:
     return best
 
 
-def _max_new(sh: _Shape) -> int:
+def _max_new(sh: _Shape, block_size: int | None = None) -> int:
+    """The token budget: the submit's, else one more than the most decodes
+    of a generation, else (decodes unobserved) the least budget that needs
+    as many target blocks as a reserve or free on D showed."""
     if sh.max_new is not None:
         return sh.max_new
-    return max(sh.decodes.values(), default=0) + 1
+    if sh.decodes or not (block_size and sh.dst and sh.prompt_len):
+        return max(sh.decodes.values(), default=0) + 1
+    return max(1, (sh.dst - 1) * block_size - sh.prompt_len + 2)
 
 
 # -- the search -----------------------------------------------------------------------
@@ -519,17 +535,23 @@ class _Search:
         self.roles = {w: spec.role for w, spec in (header.workers or {}).items()}
         self.pools = {w: spec.blocks for w, spec in (header.workers or {}).items()}
         self.bounded = False
+        #: who holds a block is known only when every way to release one is observed
+        self.track = {"free", "restart"} <= observed
+        #: which blocks a restart fences, only when a transfer's start and ends are observed
+        self.fence = {"transfer_start", "transfer_write_done", "transfer_failed"} <= observed
 
     # projections
 
     def _proj(self, name: str) -> _Proj:
         sh = self.shapes.get(name) or _Shape()
-        L = sh.prompt_len or self.base.prompt_len
-        M = _max_new(sh)
+        bs = self.base.block_size
+        if sh.prompt_len is None:  # no submit, prefill_done or decode observed: the source's block count says
+            sh.prompt_len = max((sh.src or 1) * bs, self.base.prompt_len)
+        L = sh.prompt_len
+        M = _max_new(sh, bs)
         key = (L, M)
         proj = self.models.get(key)
         if proj is None:
-            bs = self.base.block_size
             per = max(_ceil(L, bs), _ceil(L + M - 1, bs))
             config = attrs.evolve(self.base, prompt_len=L, max_new_tokens=M, blocks=3 * per + 2,
                                   chunks=min(self.base.chunks, L) if not self.base.layerwise else self.base.chunks)
@@ -615,13 +637,15 @@ class _Search:
 
     # shared resources
 
-    def take(self, name: str, e: Event, line: int, fields: tuple = ("blocks",), shared: bool = False) -> None:
+    def take(self, name: str, e: Event, line: int, shared: bool = False) -> None:
         w = e.worker  # type: ignore[attr-defined]
         pool = self.pools.get(w)
         holder = self.holder
         for b in e.blocks:  # type: ignore[attr-defined]
             if pool is not None and b >= pool:
                 raise _Failure(line, name, e, f"block {b} is outside {w}'s pool of {pool} blocks")
+            if not self.track:
+                continue
             h = holder.get((w, b))
             if h:
                 other = [r for r in h if r != name]
@@ -659,10 +683,8 @@ class _Search:
         return None
 
     def restart_pool(self, w: str) -> None:
-        fenced = set()
         for x, (dw, blocks) in self.writing.items():
-            if dw == w:
-                fenced.update(blocks)
+            if dw == w and self.fence:
                 self.quarantine[x] = (dw, blocks)
         for key in [k for k in self.holder if k[0] == w]:
             del self.holder[key]
@@ -883,7 +905,7 @@ def conform(
     complete = header.complete if complete is None else bool(complete)
     kinds = _observed_kinds(observed, header)
     build, name = _builder(model, policy)
-    shapes = _shapes(events)
+    shapes = _shapes(events, {w: spec.role for w, spec in (header.workers or {}).items()})
     bs = block_size or header.block_size or _infer_block_size(shapes)
     seen_chunks, seen_layers = _infer_chunks(shapes)
     chunks = seen_chunks if chunks is None else chunks
