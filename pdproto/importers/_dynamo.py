@@ -44,7 +44,7 @@ class DynamoImporter(LogImporter):
     ENGINE = "dynamo"
     SOURCE = SOURCE
     POLICY = "push"
-    KEYWORDS = ("request",)
+    KEYWORDS = ("request", "Request")
     KINDS = ()
     DEBUG_KINDS = ("cancel",)
     RECORDS = {"cancel": ("request", "reason")}

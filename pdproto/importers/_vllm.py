@@ -11,7 +11,7 @@ the same.
 | line (level, file) | side | events |
 |---|---|---|
 | ``NIXLConnector request_finished(R), request_status=S, kv_transfer_params=P`` (DEBUG, ``nixl/pull_scheduler.py``) | P (``do_remote_decode`` in P) | S finished: none (P's part is over, its blocks held for D under a lease); S aborted or errored: ``cancel`` / ``fail`` and ``free`` (R on P0, freed at once) |
-| same | D | S stopped or length: ``finish`` and ``free`` (R on D0); aborted / errored: ``cancel`` / ``fail`` (the free may wait for the READ, vllm#32255: see ``Finished recving``) |
+| same | D | S stopped or length: ``finish`` and ``free`` (R on D0); aborted / errored: ``cancel`` / ``fail``, and ``free`` when R's KV had arrived (else vLLM holds the blocks until the READ ends, vllm#32255: see ``Finished recving``) |
 | ``Finished sending KV transfer for request R`` (DEBUG, ``v1/core/sched/scheduler.py``) | P | ``transfer_read_done`` (D said it read, or that it never will) and ``free`` (R on P0); nothing after a lease expiry of R (already freed) |
 | ``Finished recving KV transfer for request R`` (DEBUG, same) | D | ``transfer_write_done`` (R's READ landed in D); and ``free`` (R on D0) when R was already cancelled |
 | ``Releasing expired KV blocks for request R which were retrieved by N remote worker(s) before lease expired.`` (WARNING, ``nixl/base_worker.py``) | P | ``free`` (R on P0): the lease ran out, the source blocks go back |
@@ -114,7 +114,8 @@ class VllmImporter(LogImporter):
     def __init__(self) -> None:
         super().__init__()
         self._expired = Bounded()  # P requests whose lease ran out: their free is written
-        self._cancelled = Bounded()  # D requests cancelled: a late finished_recving frees them
+        self._cancelled = Bounded()  # D requests ended while loading: a late finished_recving frees them
+        self._received = Bounded()  # D requests whose KV arrived and that have not ended
         self._once = Bounded()  # (line kind, request) of worker-side lines: one per TP rank
 
     def _nothing(self, match: "re.Match[str]") -> list:
@@ -131,11 +132,14 @@ class VllmImporter(LogImporter):
                 return []  # P's part is over; its blocks are held for D's READ (a lease)
             return [{"ev": kind, "request": request, "reason": reason},
                     {"ev": "free", "worker": P, "request": request}]
-        if kind == "finish":
-            return [{"ev": "finish", "request": request, "reason": reason},
-                    {"ev": "free", "worker": D, "request": request}]
+        ended = {"ev": kind, "request": request, "reason": reason}
+        if kind == "finish" or self._received.discard(request):
+            # decoding (its KV arrived): the blocks go back now
+            return [ended, {"ev": "free", "worker": D, "request": request}]
+        # still waiting for its KV (or never loading it): vLLM holds the
+        # blocks until the READ ends (vllm#32255), see finished_recving
         self._cancelled.add(request)
-        return [{"ev": kind, "request": request, "reason": reason}]
+        return [ended]
 
     def _finished_sending(self, match: "re.Match[str]") -> list:
         request = match.group(1)
@@ -149,6 +153,8 @@ class VllmImporter(LogImporter):
         out: list[dict[str, Any]] = [{"ev": "transfer_write_done", "request": request, "dst": D}]
         if self._cancelled.discard(request):
             out.append({"ev": "free", "worker": D, "request": request})
+        else:
+            self._received.add(request)
         return out
 
     def _lease_expired(self, match: "re.Match[str]") -> list:

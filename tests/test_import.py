@@ -1,0 +1,327 @@
+"""pdproto import: engine logs -> partial histories (formats from the engines' source,
+excerpts from public reports; see tests/data/logs/README.md)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from pdproto.importers import ENGINES, LOG_LINE_KEY, import_log
+from pdproto.importers._base import LogImporter, run_import
+from pdproto.importers._vllm import VllmImporter
+from pdproto.spec import open_history
+
+LOGS = pathlib.Path(__file__).parent / "data" / "logs"
+
+
+def imported(engine: str, name: str | None = None, text: str | None = None, tmp_path=None):
+    """(result, header, [event dicts]) of importing a log file or text."""
+    if text is not None:
+        path = tmp_path / "x.log"
+        path.write_text(text)
+    else:
+        path = LOGS / name
+    out = io.StringIO()
+    result = import_log(engine, str(path), out)
+    lines = out.getvalue().splitlines()
+    return result, json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+
+
+def strip(events, *keys):
+    return [{k: v for k, v in e.items() if k not in keys} for e in events]
+
+
+# -- vLLM -------------------------------------------------------------------
+
+
+def test_vllm_25562_lease_expiries_are_frees_of_the_source_on_p():
+    result, header, events = imported("vllm", "vllm-25562-lease-expired.log")
+    assert result.recognised["lease_expired"] == 3 and result.unrecognised == 0
+    assert [e["ev"] for e in events] == ["free"] * 3
+    assert events[0] == {"ev": "free", "worker": "P0", "request": "cmpl-3da205a6-1c3c-41b5-aeaa-b8421e81fd5c-0",
+                         "reason": "lease expired", "retrieved_by": 0, LOG_LINE_KEY: 1}
+    assert [e[LOG_LINE_KEY] for e in events] == [1, 2, 3]
+    # a WARNING-level log: the kinds vLLM logs at its default level
+    assert header["features"] == ["observed"] and header["complete"] is False and header["policy"] == "pull"
+    assert sorted(header["observed"]["kinds"]) == ["free", "transfer_failed", "transfer_read_done"]
+    assert header["observed"]["fields"]["free"] == ["worker", "request"]
+
+
+def test_vllm_late_read_from_aibrix_1772_is_a_read_done_of_the_request():
+    result, _, events = imported("vllm", "vllm-aibrix-1772-late-read.log")
+    assert strip(events, "reason") == [{"ev": "transfer_read_done", "src": "P0",
+                                        "request": "chatcmpl-129a69c8-cd1a-40e0-aa3e-94662fd8cc2b", LOG_LINE_KEY: 1}]
+
+
+def test_vllm_lease_expiry_then_read_sequence():
+    result, header, events = imported("vllm", "vllm-lease-expiry-then-read.log")
+    request = "cmpl-7f3a9c1e-0-4b2d8e11"
+    assert strip(events, "reason", "retrieved_by") == [
+        {"ev": "free", "worker": "P0", "request": request, LOG_LINE_KEY: 5},
+        {"ev": "transfer_read_done", "request": request, "src": "P0", LOG_LINE_KEY: 7},
+    ]
+    # "Finished sending" after the expiry is the same free: known, no second event
+    assert result.recognised["finished_sending"] == 1
+    assert result.debug and "finish" in header["observed"]["kinds"]
+
+
+def test_vllm_clean_handoff_p_and_d_in_one_log():
+    result, header, events = imported("vllm", "vllm-clean-handoff.log")
+    p, d = "cmpl-51c0e2aa-0-9d01f6c2", "cmpl-51c0e2aa-0-77e3a0b5"
+    assert events == [
+        {"ev": "transfer_write_done", "request": d, "dst": "D0", LOG_LINE_KEY: 6},
+        {"ev": "transfer_read_done", "request": p, "src": "P0", LOG_LINE_KEY: 7},
+        {"ev": "free", "worker": "P0", "request": p, LOG_LINE_KEY: 7},
+        {"ev": "finish", "request": d, "reason": "stop", LOG_LINE_KEY: 9},
+        {"ev": "free", "worker": "D0", "request": d, LOG_LINE_KEY: 9},
+    ]
+    assert result.unrecognised == 0
+    assert result.recognised["get_num_new_matched_tokens"] == 1 and result.recognised["request_finished"] == 2
+
+
+def _vllm(message: str, level: str = "DEBUG") -> str:
+    return f"(EngineCore_DP0 pid=7) {level} 12-01 10:00:00 [x.py:1] {message}\n"
+
+
+FINISHED = "NIXLConnector request_finished({r}), request_status=RequestStatus.{s}, kv_transfer_params={p}"
+P_PARAMS = "{'do_remote_decode': True, 'do_remote_prefill': False}"
+D_PARAMS = "{'do_remote_prefill': False, 'do_remote_decode': False, 'remote_request_id': 'p1'}"
+
+
+def test_vllm_abort_on_p_frees_at_once(tmp_path):
+    _, _, events = imported("vllm", text=_vllm(FINISHED.format(r="p1", s="FINISHED_ABORTED", p=P_PARAMS)),
+                            tmp_path=tmp_path)
+    assert strip(events, LOG_LINE_KEY) == [{"ev": "cancel", "request": "p1", "reason": "abort"},
+                                           {"ev": "free", "worker": "P0", "request": "p1"}]
+
+
+def test_vllm_abort_on_d_while_loading_frees_at_the_late_recving(tmp_path):
+    # vllm#32255: D holds the blocks of a request aborted in WAITING_FOR_REMOTE_KVS until its READ ends
+    text = _vllm(FINISHED.format(r="d1", s="FINISHED_ABORTED", p=D_PARAMS)) + _vllm(
+        "Finished recving KV transfer for request d1")
+    _, _, events = imported("vllm", text=text, tmp_path=tmp_path)
+    assert strip(events, LOG_LINE_KEY) == [
+        {"ev": "cancel", "request": "d1", "reason": "abort"},
+        {"ev": "transfer_write_done", "request": "d1", "dst": "D0"},
+        {"ev": "free", "worker": "D0", "request": "d1"},
+    ]
+    assert [e[LOG_LINE_KEY] for e in events] == [1, 2, 2]
+
+
+def test_vllm_abort_on_d_while_decoding_frees_at_once(tmp_path):
+    text = _vllm("Finished recving KV transfer for request d1") + _vllm(
+        FINISHED.format(r="d1", s="FINISHED_ABORTED", p=D_PARAMS))
+    _, _, events = imported("vllm", text=text, tmp_path=tmp_path)
+    assert [e["ev"] for e in events] == ["transfer_write_done", "cancel", "free"]
+
+
+def test_vllm_request_without_kv_transfer_params_is_no_handoff(tmp_path):
+    result, _, events = imported("vllm", text=_vllm(FINISHED.format(r="x", s="FINISHED_STOPPED", p="None")),
+                                 tmp_path=tmp_path)
+    assert events == [] and result.recognised["request_finished"] == 1
+
+
+def test_vllm_transfer_failure_context(tmp_path):
+    context = ("{'failure_type': 'transfer_failed', 'request_id': 'd7', 'engine_id': 'e1', "
+               "'remote_engine_id': 'e0', 'remote_request_id': 'p7', 'num_local_blocks': 3}")
+    text = (_vllm(f"NIXL transfer failure: transfer_failed | Context: {context}", "ERROR")
+            + _vllm(f"NIXL transfer failure: transfer_failed | Context: {context}", "ERROR")  # a 2nd TP rank
+            + _vllm("NIXL transfer failure: notification_failed | Context: {'request_id': 'd8'}", "ERROR"))
+    result, _, events = imported("vllm", text=text, tmp_path=tmp_path)
+    assert strip(events, LOG_LINE_KEY) == [{"ev": "transfer_failed", "request": "d7", "dst": "D0",
+                                           "reason": "transfer_failed"}]
+    assert result.recognised["transfer_failure"] == 3
+
+
+def test_vllm_both_lease_wordings(tmp_path):
+    new = "Releasing expired KV blocks for request r9 which were retrieved by 1 remote worker(s) before lease expired."
+    old = "Releasing expired KV blocks for request r8 which were retrieved by 0 decode worker(s) within 120 seconds."
+    _, _, events = imported("vllm", text=_vllm(new, "WARNING") + _vllm(old, "WARNING"), tmp_path=tmp_path)
+    assert [(e["request"], e["retrieved_by"]) for e in events] == [("r9", 1), ("r8", 0)]
+
+
+def test_vllm_per_rank_duplicates_give_one_event(tmp_path):
+    line = "Potentially invalid KV blocks for unrecognized request r1 were retrieved by a decode worker. They may have expired."
+    _, _, events = imported("vllm", text=_vllm(line, "ERROR") * 8, tmp_path=tmp_path)
+    assert len(events) == 1
+
+
+def test_vllm_colours_and_old_prefix(tmp_path):
+    text = ("\x1b[33mWARNING\x1b[0m 09-24 16:35:21 [nixl_connector.py:1048] Releasing expired KV blocks for request "
+            "r1 which were retrieved by 0 decode worker(s) within 120 seconds.\n")
+    _, _, events = imported("vllm", text=text, tmp_path=tmp_path)
+    assert events[0]["request"] == "r1"
+
+
+def test_unrecognised_handoff_lines_are_warned_with_line_numbers():
+    result, _, events = imported("vllm", "vllm-unknown-handoff-line.log")
+    assert result.unrecognised == 1
+    assert [e.line for e in result.examples] == [2]
+    assert "re-queued" in result.examples[0].text
+    assert [e[LOG_LINE_KEY] for e in events] == [3]  # the known line still imports
+
+
+def test_examples_are_capped_but_all_counted(tmp_path):
+    text = _vllm("KV transfer for request r1 looks odd", "WARNING") * 9
+    result, _, _ = imported("vllm", text=text, tmp_path=tmp_path)
+    assert result.unrecognised == 9 and [e.line for e in result.examples] == [1, 2, 3, 4, 5]
+
+
+def test_the_tracked_ids_are_bounded():
+    from pdproto.importers._base import Bounded
+
+    seen = Bounded(limit=3)
+    for i in range(5):
+        assert seen.add(i)
+    assert 0 not in seen and 1 not in seen and 4 in seen
+    assert not seen.add(4) and seen.discard(4) and not seen.discard(4)
+
+
+# -- SGLang -----------------------------------------------------------------
+
+
+def test_sglang_12688_decode_transfer_failed_aborted_once_per_request():
+    result, header, events = imported("sglang", "sglang-12688-decode-transfer-failed.log")
+    rid = "78fde411d57a4d7791b63963eac74968"
+    assert events == [
+        {"ev": "transfer_failed", "request": rid, "ticket": "4793981895866140836", "rank": 0, LOG_LINE_KEY: 2},
+        {"ev": "cancel", "request": rid, "reason": "abort", LOG_LINE_KEY: 2},
+    ]
+    assert result.recognised["decode_transfer_failed"] == 2  # ranks 0 and 2
+    assert header["policy"] == "push" and sorted(header["observed"]["kinds"]) == ["cancel", "fail", "transfer_failed"]
+
+
+def test_sglang_11648_timeout_is_a_fail():
+    result, _, events = imported("sglang", "sglang-11648-decode-timeout.log")
+    assert [(e["ev"], e.get("reason")) for e in events] == [("transfer_failed", None), ("fail", "timeout")]
+    assert result.recognised["transfer_timeout_notice"] == 1 and result.unrecognised == 0
+
+
+def test_sglang_9266_bootstrap_failed_ends_the_request_without_a_transfer():
+    _, _, events = imported("sglang", "sglang-9266-prefill-bootstrap-failed.log")
+    assert strip(events, LOG_LINE_KEY) == [{"ev": "cancel", "request": "60d582b2010846a8b337cf88963116e7",
+                                           "reason": "abort"}]
+
+
+def test_sglang_prefill_transfer_failed_and_mooncake_851():
+    _, _, events = imported("sglang", "sglang-prefill-transfer-failed.log")
+    assert [(e["ev"], e.get("reason")) for e in events] == [("transfer_failed", None), ("fail", "transfer failed")]
+    _, _, events = imported("sglang", "sglang-mooncake851-decode-transfer-failed.log")
+    assert [e["ev"] for e in events] == ["transfer_failed", "fail"]
+
+
+def test_sglang_newer_handshake_spelling(tmp_path):
+    text = ("[2026-01-01 00:00:00 TP0] Decode handshake failed for request rank=0 rid=abc bootstrap_room=42: "
+            "bootstrap timed out\n")
+    _, _, events = imported("sglang", text=text, tmp_path=tmp_path)
+    assert strip(events, LOG_LINE_KEY) == [{"ev": "fail", "request": "abc", "reason": "timeout"}]
+
+
+# -- Dynamo -----------------------------------------------------------------
+
+
+def test_dynamo_5095_router_warnings_are_known_and_write_no_event():
+    result, header, events = imported("dynamo", "dynamo-5095-router.log")
+    assert events == [] and result.unrecognised == 0
+    assert result.recognised == {"mark_prefill_failed": 1, "free_failed": 2, "cancelled": 0}
+    assert header["observed"]["kinds"] == []
+
+
+def test_dynamo_structured_and_json_forms_and_debug_cancel(tmp_path):
+    text = (
+        "2026-01-01T00:00:00.000001Z  WARN dynamo_llm::kv_router: Failed to free request request_id=r1 error=gone\n"
+        '{"time":"2026-01-01T00:00:00Z","level":"WARN","target":"dynamo_llm::kv_router",'
+        '"message":"Failed to mark prefill completed","request_id":"r2"}\n'
+        "2026-01-01T00:00:01.000001Z DEBUG dynamo_llm::kv_router: Request r3 cancelled, ending stream\n"
+    )
+    result, header, events = imported("dynamo", text=text, tmp_path=tmp_path)
+    assert result.recognised == {"mark_prefill_failed": 1, "free_failed": 1, "cancelled": 1}
+    assert strip(events, LOG_LINE_KEY) == [{"ev": "cancel", "request": "r3", "reason": "abort"}]
+    assert header["observed"]["kinds"] == ["cancel"]
+
+
+# -- the history and the CLI ------------------------------------------------
+
+
+def test_the_history_reads_back_with_its_observation(tmp_path):
+    out = tmp_path / "h.jsonl"
+    import_log("vllm", str(LOGS / "vllm-lease-expiry-then-read.log"), str(out))
+    with open_history(str(out)) as reader:
+        assert reader.header.observed is not None
+        assert reader.header.observed.observes("free") and not reader.header.observed.observes("alloc")
+        events = [e for _, e in reader]
+    assert [e.EV for e in events] == ["free", "transfer_read_done"]
+    assert events[0].blocks is None and events[1].transfer is None
+    assert events[1].extra[LOG_LINE_KEY] == 7
+
+
+def test_every_engine_has_a_source_version():
+    assert set(ENGINES) == {"vllm", "sglang", "dynamo"}
+    assert all(any(ch.isdigit() for ch in src) for src in ENGINES.values())
+
+
+class _Exploding(VllmImporter):
+    def events(self, lines):
+        yield from super().events(lines)
+        raise OSError("disk gone")
+
+
+def test_an_existing_output_is_never_left_half_written(tmp_path):
+    out = tmp_path / "h.jsonl"
+    out.write_text("precious\n")
+    with pytest.raises(OSError):
+        run_import(_Exploding(), str(LOGS / "vllm-25562-lease-expired.log"), str(out))
+    assert out.read_text() == "precious\n"
+    assert os.listdir(tmp_path) == ["h.jsonl"]  # no temporary file left
+
+
+def _cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "pdproto", *args], capture_output=True, text=True, input=stdin,
+                          timeout=120)
+
+
+def test_cli_writes_the_history_and_a_summary(tmp_path):
+    out = tmp_path / "h.jsonl"
+    proc = _cli("import", "vllm", str(LOGS / "vllm-unknown-handoff-line.log"), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert "1 line(s) look like handoff lines" in proc.stderr
+    assert "vllm-unknown-handoff-line.log:2: (EngineCore_DP0" in proc.stderr
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_cli_stdin_to_stdout_and_json_summary():
+    text = (LOGS / "sglang-12688-decode-transfer-failed.log").read_text()
+    proc = _cli("import", "sglang", "-", "--json", stdin=text)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) == 3
+    summary = json.loads(proc.stderr)
+    assert summary["events"] == 2 and summary["lines"] == 3 and summary["engine"] == "sglang"
+
+
+@pytest.mark.parametrize("args, said", [
+    (("import", "trtllm", "x.log"), "ENGINE: 'trtllm' is not allowed; expected one of vllm, sglang, dynamo"),
+    (("import", "vllm", "/no/such.log"), "LOG: '/no/such.log' is not allowed; expected a readable log file"),
+    (("import", "vllm", "/"), "not a directory"),
+    (("import", "vllm", str(LOGS / "vllm-clean-handoff.log"), "-o", "/no/such/dir/h.jsonl"), "-o"),
+])
+def test_cli_bad_input_is_one_line_exit_2(args, said):
+    proc = _cli(*args)
+    assert proc.returncode == 2
+    assert said in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_importers_are_log_importers():
+    from pdproto.importers._import import _IMPORTERS
+
+    for cls in _IMPORTERS.values():
+        assert issubclass(cls, LogImporter)
+        assert set(cls.RECORDS) <= set(cls.KINDS) | set(cls.DEBUG_KINDS)
+        assert all(p.level for p in cls.PATTERNS)
