@@ -10,7 +10,7 @@ matches no known format is counted and its first examples are kept
 (:attr:`ImportResult.unrecognised`): never dropped silently.
 
 Streaming, constant memory: the log is read one line at a time and the events
-go to a spool file (in memory up to a few MiB, on disk beyond), because the
+go to a temporary spool file, because the
 header, written first, says what was observed and that is known only at the
 end (a vLLM log at DEBUG level shows more kinds than one at INFO).  The state
 an importer keeps per request is bounded (:data:`MAX_TRACKED`).
@@ -30,7 +30,7 @@ import attrs
 
 from .._errors import UsageError
 from ..spec import HistoryHeader, HistoryWriter, Observation
-from ..spec._events import event_from_dict
+from ..spec._events import parse_event
 
 __all__ = [
     "LOG_LINE_KEY",
@@ -55,8 +55,6 @@ MAX_TRACKED = 1 << 16
 #: Characters of an unrecognised line kept in an example.
 _EXAMPLE_CHARS = 300
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-#: Spool events in memory up to this size, then on disk.
-_SPOOL_BYTES = 8 << 20
 
 
 @attrs.frozen
@@ -160,7 +158,7 @@ class LogImporter:
     whose source fixes the formats), :attr:`POLICY`, :attr:`PATTERNS`,
     :attr:`KEYWORDS` (a line without any of them is skipped at once: the fast
     path of long logs), :attr:`HANDOFF` (what makes an unknown line look like
-    a handoff line) and the kinds it observes (:attr:`KINDS`, and
+    a handoff line: every one of these patterns is found in it) and the kinds it observes (:attr:`KINDS`, and
     :attr:`DEBUG_KINDS` when DEBUG lines add some).  One instance reads one
     log.
     """
@@ -170,7 +168,7 @@ class LogImporter:
     POLICY: ClassVar[str] = "push"
     PATTERNS: ClassVar[Sequence[Pattern]] = ()
     KEYWORDS: ClassVar[tuple[str, ...]] = ()
-    HANDOFF: ClassVar["re.Pattern[str]"] = re.compile(r"(?!)")
+    HANDOFF: ClassVar[tuple["re.Pattern[str]", ...]] = (re.compile(r"(?!)"),)
     KINDS: ClassVar[tuple[str, ...]] = ()
     DEBUG_KINDS: ClassVar[tuple[str, ...]] = ()
     #: the fields each observed kind records (a kind not here records all)
@@ -202,6 +200,7 @@ class LogImporter:
         first), each with its log line under :data:`LOG_LINE_KEY`."""
         keywords = self.KEYWORDS
         handlers = self._handlers
+        handoff = self.HANDOFF
         mark = self.DEBUG_MARK
         debug = False
         lineno = 0
@@ -225,7 +224,7 @@ class LogImporter:
                             yield obj
                         break
             else:
-                if self.HANDOFF.search(line):
+                if all(p.search(line) for p in handoff):
                     self.unrecognised += 1
                     if len(self.examples) < MAX_EXAMPLES:
                         self.examples.append(Unrecognised(lineno, line.rstrip("\r\n")[:_EXAMPLE_CHARS]))
@@ -265,9 +264,7 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
     beside it and renamed over it only when complete, so an existing file is
     never left half-written), an open text stream, or None (standard output).
     """
-    with _open_log(log) as fh, tempfile.SpooledTemporaryFile(
-        max_size=_SPOOL_BYTES, mode="w+", encoding="utf-8"
-    ) as spool:
+    with _open_log(log) as fh, tempfile.TemporaryFile(mode="w+", encoding="utf-8") as spool:
         # The spool starts with a provisional header observing every kind the
         # engine can show, so the writer checks each event against it; the
         # final header (what this log showed) replaces that line.
@@ -276,7 +273,7 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         observed, features = widest.observed, widest.features
         count = 0
         for obj in importer.events(_lines(fh, log)):
-            writer.write(event_from_dict(obj, features, observed=observed))
+            writer.write(parse_event(obj, features, False, observed))
             count += 1
         header = importer.header()
         spool.seek(0)

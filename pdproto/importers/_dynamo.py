@@ -49,9 +49,9 @@ class DynamoImporter(LogImporter):
     DEBUG_KINDS = ("cancel",)
     RECORDS = {"cancel": ("request", "reason")}
     DEBUG_MARK = "DEBUG"
-    HANDOFF: ClassVar["re.Pattern[str]"] = re.compile(
-        r"(?i)\b(prefill|decode|kv|free|transfer)\w*\b.*\b(request|request_id)\b"
-        r"|\b(request|request_id)\b.*\b(prefill|kv|free|transfer)\w*\b"
+    HANDOFF: ClassVar[tuple["re.Pattern[str]", ...]] = (
+        re.compile(r"(?i)\brequest(?:_id)?\b"),
+        re.compile(r"(?i)\b(?:prefill|kv|free|transfer)\w*"),
     )
     PATTERNS = (
         Pattern("mark_prefill_failed", "Failed to mark prefill completed",

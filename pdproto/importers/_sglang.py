@@ -54,9 +54,9 @@ class SglangImporter(LogImporter):
     #: none: a retry is a new rid), no transfer id
     RECORDS = {"transfer_failed": ("request",), "cancel": ("request", "reason"), "fail": ("request", "reason")}
     DEBUG_MARK = "\0"  # SGLang lines carry no level
-    HANDOFF: ClassVar["re.Pattern[str]"] = re.compile(
-        r"(?i)\b(rid|bootstrap_room)=|(\brequest\b.*\b(kv|transfer|bootstrap|handshake)\b)"
-        r"|(\b(kv|transfer|bootstrap|handshake)\b.*\brequest\b)"
+    HANDOFF: ClassVar[tuple["re.Pattern[str]", ...]] = (
+        re.compile(r"\b(?:rid|bootstrap_room)=|\brequest\b"),
+        re.compile(r"(?i)\b(?:kv|transfer|bootstrap|handshake|rid|bootstrap_room)\b"),
     )
     PATTERNS = (
         Pattern("prefill_transfer_failed", "Prefill transfer failed for request",

@@ -77,9 +77,9 @@ class VllmImporter(LogImporter):
         "cancel": ("request", "reason"),
         "fail": ("request", "reason"),
     }
-    HANDOFF: ClassVar["re.Pattern[str]"] = re.compile(
-        r"(?i)(\brequest\b|\breq(?:uest)?_id\b).*\b(kv|nixl|transfer|blocks?|lease)\b"
-        r"|\b(kv|nixl|transfer|blocks?|lease)\b.*(\brequest\b|\breq(?:uest)?_id\b)"
+    HANDOFF: ClassVar[tuple["re.Pattern[str]", ...]] = (
+        re.compile(r"\brequest\b|\breq(?:uest)?_id\b"),
+        re.compile(r"(?i)\b(?:kv|nixl|transfer|blocks?|lease)\b"),
     )
     PATTERNS = (
         Pattern("request_finished", "request_finished(",
