@@ -1,4 +1,4 @@
-"""After an abort, D's deferred release gives up waiting for P's drain and frees pages a write can still land on.
+"""After an abort, D's release deadline frees its pages while P's write can still land on them.
 
 Project SGLang, https://github.com/sgl-project/sglang/pull/38961 (about the
 deferred decode-side release of sgl-project/sglang#35049).  Mechanism: on an
