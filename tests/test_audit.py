@@ -93,7 +93,8 @@ def test_json_shape(capsys):
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and out["ok"] is False and out["events"] == 10
     (v,) = out["violations"]
-    assert set(v) == {"invariant", "line", "message", "witness"}
+    assert set(v) == {"invariant", "line", "message", "witness", "request", "gen"}
+    assert v["request"] == "r1" and v["gen"] == 0
     assert v["invariant"] == "double-commit" and "request 'r1' gen 0" in v["message"]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..drivers._audit import AuditResult, audit
 from ..spec._history import MAX_LINE_BYTES, POLICIES
@@ -50,6 +50,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-line-bytes", type=positive_int, default=MAX_LINE_BYTES, metavar="N",
                    help=f"longest line accepted, in bytes (default {MAX_LINE_BYTES:,})")
+    p.add_argument(
+        "--observed",
+        action="append",
+        default=None,
+        metavar="KINDS",
+        help="judge the history as partial, observing only these event kinds (comma-separated; "
+        "overrides the header's observed; events of other kinds are ignored): invariants whose "
+        "evidence needs other kinds are listed as not judged",
+    )
     p.set_defaults(run=run)
 
 
@@ -67,8 +76,9 @@ def split_skip(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace, console: Any) -> int:
     args.skip = split_skip(args)
+    observed = ",".join(args.observed) if args.observed else None
     result = audit(args.file, policy=args.policy, complete=args.complete, skip=args.skip,
-                   max_line_bytes=args.max_line_bytes)
+                   max_line_bytes=args.max_line_bytes, observed=observed)
     return print_result(result, args.json, lambda: _print_report(console, args.file, result))
 
 
@@ -76,9 +86,17 @@ def _print_report(console: Any, path: str, result: AuditResult) -> None:
     name = "<stdin>" if path == "-" else path
     violations = result.violations
     mode = f"policy {result.policy}, " + ("complete" if result.complete else "not complete")
+    if result.observed is not None:
+        mode += ", partial"
     console.print(
         f"[bold]{esc(name)}[/]: {result.events} events, {result.requests} requests ({mode})"
     )
+    if result.observed is not None:
+        console.print(f"observed: {esc(', '.join(result.observed)) or '(no kind)'}")
+        if result.not_judged:
+            console.print(f"[yellow]not judged[/] ({len(result.not_judged)}): the observed kinds cannot prove them")
+            for inv, _, missing in result.not_judged:
+                console.print(f"  {esc(inv)}: needs {esc(', '.join(missing))}")
     if not violations:
         console.print("[green]ok[/]: no invariant violated")
         if not result.complete:
@@ -87,16 +105,24 @@ def _print_report(console: Any, path: str, result: AuditResult) -> None:
                 "until the system went quiet[/]"
             )
         return
-    print_violations(console, violations)
+    print_violations(console, violations, log_lines=result.log_lines or None)
 
 
-def print_violations(console: Any, violations: Any, level: Callable[[Any], str] | None = None) -> None:
-    """The violations as a table (line, the ``level`` column when given,
-    invariant, message, witness lines) and a line counting them."""
+def print_violations(
+    console: Any,
+    violations: Any,
+    level: Callable[[Any], str] | None = None,
+    log_lines: Mapping[int, int] | None = None,
+) -> None:
+    """The violations as a table (line, the source log's line when
+    ``log_lines`` maps it, the ``level`` column when given, invariant,
+    message, witness lines) and a line counting them."""
     from rich.table import Table
 
     table = Table(show_lines=False)
     table.add_column("line", justify="right")
+    if log_lines is not None:
+        table.add_column("log line", justify="right")
     if level is not None:
         table.add_column("level")
     table.add_column("invariant", style="red")
@@ -106,6 +132,8 @@ def print_violations(console: Any, violations: Any, level: Callable[[Any], str] 
         cells = [str(v.line), esc(v.invariant), esc(v.message), ", ".join(map(str, v.witness)) or "-"]
         if level is not None:
             cells.insert(1, level(v))
+        if log_lines is not None:
+            cells.insert(1, str(log_lines.get(v.line, "-")))
         table.add_row(*cells)
     console.print(table)
     console.print(f"[red]{len(violations)} violation(s)[/]: {summarize(violations)}")

@@ -50,6 +50,9 @@ from ._monitor import END_INVARIANTS as END_INVARIANTS
 from ._monitor import Violation as Violation
 from ._monitor import Monitor as Monitor
 from ._monitor import check_invariant_ids as check_invariant_ids
+from ._monitor import INVARIANT_NEEDS as INVARIANT_NEEDS
+from ._monitor import not_judged as not_judged
+from ._partial import PartialMonitor as PartialMonitor
 
 __all__ = [
     "Event",
@@ -100,4 +103,7 @@ __all__ = [
     "Violation",
     "Monitor",
     "check_invariant_ids",
+    "INVARIANT_NEEDS",
+    "not_judged",
+    "PartialMonitor",
 ]

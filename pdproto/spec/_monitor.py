@@ -65,7 +65,8 @@ from ._events import (
 )
 from ._history import BOUNDARIES, POLICIES, HistoryHeader, KVSpec, WorkerSpec
 
-__all__ = ["INVARIANTS", "END_INVARIANTS", "Violation", "Monitor", "check_invariant_ids"]
+__all__ = ["INVARIANTS", "END_INVARIANTS", "INVARIANT_NEEDS", "Violation", "Monitor", "check_invariant_ids",
+           "not_judged"]
 
 #: Every invariant id, in the order the documentation lists them, with a
 #: one-line rule.  The ids are a stable public interface.
@@ -104,6 +105,76 @@ INVARIANTS: Mapping[str, str] = {
 }
 
 END_INVARIANTS = ("leak", "stuck")
+
+_OWN = ("reserve", "prefill_start", "alloc", "share", "free", "restart")
+_ENDS = ("finish", "cancel", "fail")
+_ACTIVITY = "reserve|prefill_start|alloc|share|transfer_start|commit|decode"
+
+#: What each invariant needs observed to be judged on a partial history
+#: (format 1.1 feature ``observed``): alternatives, each a set of terms, all
+#: of which must be observed.  A term is an event kind, ``kind.field`` (every
+#: event of that kind records the field), or ``a|b`` (one of them).  The
+#: kinds are those that create the invariant's evidence and those that clear
+#: it: without a kind that clears it (a free, a completion) a violation could
+#: be false, so the invariant is not judged.  docs/invariants.md shows this
+#: table; tests hold the two equal.
+INVARIANT_NEEDS: Mapping[str, tuple[frozenset[str], ...]] = {
+    "double-allocation": (frozenset(_OWN),),
+    "bad-free": (frozenset(_OWN),),
+    "early-source-free": (
+        frozenset({"free", "restart", "transfer_start", "transfer_read_done", "transfer_failed"}),
+        # a log naming requests, not transfers: a read of a request from a
+        # worker that completes after a free of that request's blocks there
+        frozenset({"free", "free.request", "transfer_read_done", "transfer_read_done.request"}),
+    ),
+    "early-target-reuse": (
+        frozenset({"free", "restart", "transfer_start", "transfer_write_done", "transfer_failed"}),
+    ),
+    "commit-before-ready": (
+        frozenset({"commit", "submit", "reserve", "prefill_start", "alloc", "share", "restart",
+                   "transfer_start", "transfer_write_done", "transfer_failed"}),
+    ),
+    "double-commit": (frozenset({"commit"}),),
+    "resurrection": (frozenset({*_ENDS, _ACTIVITY}),),
+    "stale-generation": (frozenset({"submit"}),),
+    "ticket-mismatch": (frozenset({"reserve", "transfer_start|commit"}),),
+    "id-reuse": (frozenset({"reserve|transfer_start"}),),
+    "unknown-transfer": (
+        frozenset({"transfer_start", "transfer_read_done|transfer_write_done|transfer_failed|transfer_abort"}),
+    ),
+    "foreign-block-access": (
+        frozenset({*_OWN, "transfer_start", "transfer_write_done", "transfer_failed"}),
+    ),
+    "decode-before-commit": (frozenset({"commit", "decode"}),),
+    "first-token-boundary": (frozenset({"prefill_done", "decode", "share"}),),
+    "decode-continuity": (frozenset({"decode"}),),
+    "reserve-before-prefill": (frozenset(_OWN),),
+    "capacity": (frozenset({"reserve|prefill_start|alloc|share|free|transfer_start|decode"}),),
+    "leak": (
+        frozenset({*_OWN, *_ENDS, "transfer_start", "transfer_read_done", "transfer_write_done",
+                   "transfer_failed"}),
+    ),
+    "stuck": (frozenset({"submit", *_ENDS}),),
+}
+
+
+def _met(term: str, provided: frozenset[str]) -> bool:
+    return any(t in provided for t in term.split("|"))
+
+
+def not_judged(provided: Iterable[str]) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """The invariants that the observed ``provided`` terms (see
+    :meth:`pdproto.spec.Observation.terms`) cannot judge, in
+    :data:`INVARIANTS` order, each as ``(invariant, needs, missing)``: the
+    terms of its first (full) alternative, and those of them not met."""
+    have = frozenset(provided)
+    out = []
+    for inv, alternatives in INVARIANT_NEEDS.items():
+        if any(all(_met(t, have) for t in alt) for alt in alternatives):
+            continue
+        needs = tuple(sorted(alternatives[0]))
+        out.append((inv, needs, tuple(t for t in needs if not _met(t, have))))
+    return out
 
 
 def check_invariant_ids(ids: Iterable[str]) -> frozenset[str]:
@@ -337,12 +408,20 @@ class Monitor:
         policy: str | None = None,
         complete: bool | None = None,
         skip: Iterable[str] = (),
+        observed: Any = None,
     ) -> "Monitor":
         """A monitor set up as a history header says; ``policy`` and
         ``complete`` override it when given (``complete=True`` forces).  A
         version 1.1 header's block size (``kv.block_size``, else its
         ``block_size`` key) is used; version 1 is judged without it, as
-        always."""
+        always.  A partial history (the header's ``observed``, or
+        ``observed``, an :class:`~pdproto.spec.Observation`, which overrides
+        it) gets a :class:`~pdproto.spec.PartialMonitor`."""
+        if observed is not None or header.observed is not None:
+            from ._partial import PartialMonitor
+
+            return PartialMonitor.from_header(header, policy=policy, complete=complete, skip=skip,
+                                              observed=observed)
         return cls(
             policy or header.policy,
             complete=header.complete or bool(complete),
@@ -407,7 +486,7 @@ class Monitor:
 
     def copy(self) -> "Monitor":
         """An independent monitor in the same state."""
-        new = Monitor.__new__(Monitor)
+        new = type(self).__new__(type(self))
         new.policy = self.policy
         new.complete = self.complete
         new.workers = self.workers

@@ -86,7 +86,9 @@ class Observation:
         if kind not in self.kinds:
             return False
         names = self.fields.get(kind)
-        return field in EVENT_TYPES[kind].FIELDS if names is None else field in names
+        if names is None:  # every field it always has; an optional one may be missing
+            return not EVENT_TYPES[kind].FIELDS.get(field, "?").endswith("?")
+        return field in names
 
     def omits(self, kind: str) -> frozenset[str]:
         """The fields an event of ``kind`` may leave out."""
@@ -94,6 +96,18 @@ class Observation:
         if names is None:
             return frozenset()
         return frozenset(n for n in EVENT_TYPES[kind].FIELDS if n not in names)
+
+    def terms(self, features: Iterable[str] = ()) -> frozenset[str]:
+        """What this observation provides, in the terms of
+        :data:`~pdproto.spec.INVARIANT_NEEDS`: each observed kind, each
+        ``kind.field`` every event of that kind records, and the kinds of
+        format 1.1 features not in ``features`` (a history without feature
+        ``share`` has no share to miss)."""
+        out = set(self.kinds)
+        out |= {k for k, f in FEATURE_KINDS.items() if f not in features}
+        for kind in self.kinds:
+            out |= {f"{kind}.{n}" for n in EVENT_TYPES[kind].FIELDS if self.records(kind, n)}
+        return frozenset(out)
 
     def features_used(self) -> frozenset[str]:
         """The format 1.1 features (besides ``observed``) its kinds and fields need."""
