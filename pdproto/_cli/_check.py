@@ -75,6 +75,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", default=None, help="with --backend torch: cpu (default) or cuda")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
                    help="with --backend torch: KV dtype (default bfloat16)")
+    p.add_argument("--transport", default=None, choices=("copy", "nixl", "mooncake"),
+                   help="with --backend torch: how transfers move KV (as pdproto replay --transport; default copy)")
     p.add_argument("--transformer", default=None, metavar="NAME|PATH",
                    help="with --backend torch: also run a real transformer (as pdproto replay --model: "
                    "tiny-llama, tiny-qwen2, tiny-mistral, smollm2-135m or a local model folder) on every "
@@ -172,7 +174,7 @@ def _backend_options(args: argparse.Namespace) -> dict[str, Any] | None:
     """Check the --backend options (before loading anything); None without --backend."""
     if args.backend is None:
         for flag, value in (("--device", args.device), ("--dtype", args.dtype),
-                            ("--transformer", args.transformer)):
+                            ("--transformer", args.transformer), ("--transport", args.transport)):
             if value is not None:
                 raise UsageError(flag, value, "--backend torch along with it")
         return None
@@ -189,6 +191,7 @@ def _backend_options(args: argparse.Namespace) -> dict[str, Any] | None:
         "kv_heads": BACKEND_KV_HEADS,
         "head_dim": BACKEND_HEAD_DIM,
         **({"model": args.transformer} if args.transformer is not None else {}),
+        **({"transport": args.transport} if args.transport not in (None, "copy") else {}),
     }
 
 
@@ -209,16 +212,21 @@ def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
         opts["layers"], opts["kv_heads"] = first.m.layers, first.m.kv_heads
         return lambda: make(header)
     tb = load_torch_backend()
+    if "transport" in opts and "model" in opts:
+        raise UsageError("--transport with --transformer", opts["transport"], "copy")
+    from ..drivers._replay import load_transport
+
+    tr = load_transport(opts.get("transport"))  # one transport (its agents) for every state's backend
     # one backend now: a bad --device or --dtype fails before the search
     first = tb.TorchBackend(header, device=opts["device"], dtype=opts["dtype"], layers=opts["layers"],
-                            kv_heads=opts["kv_heads"], head_dim=opts["head_dim"])
+                            kv_heads=opts["kv_heads"], head_dim=opts["head_dim"], transport=tr)
     opts["device"] = str(first.device)
     opts["dtype"] = first.layout.dtype
     opts["block_size"] = first.layout.block_size
 
     def factory() -> Any:
         return tb.TorchBackend(header, device=opts["device"], dtype=opts["dtype"], layers=opts["layers"],
-                               kv_heads=opts["kv_heads"], head_dim=opts["head_dim"])
+                               kv_heads=opts["kv_heads"], head_dim=opts["head_dim"], transport=tr)
 
     return factory
 

@@ -55,6 +55,8 @@ def add_parser(sub: Any) -> None:
                    help="also run every step on real KV buffers (torch; imported only then)")
     p.add_argument("--device", default="cpu", help="torch device for --backend torch (cpu or cuda)")
     p.add_argument("--dtype", default="float32", help="torch dtype for --backend torch")
+    p.add_argument("--transport", default=None, choices=("copy", "nixl", "mooncake"),
+                   help="with --backend torch: how transfers move KV (as pdproto replay --transport; default copy)")
     p.add_argument("--transformer", default=None, metavar="NAME|PATH",
                    help="with --backend torch: also run a real transformer (as pdproto replay --model) "
                    "and compare every decode's logits with a colocated run (logit-divergence; slow: "
@@ -106,6 +108,10 @@ def run(args: argparse.Namespace, console: Any) -> int:
     backend = None
     if args.transformer is not None and args.backend != "torch":
         raise UsageError("--transformer", args.transformer, "--backend torch along with it")
+    if args.transport is not None and args.backend != "torch":
+        raise UsageError("--transport", args.transport, "--backend torch along with it")
+    if args.transport not in (None, "copy") and args.transformer is not None:
+        raise UsageError("--transport with --transformer", args.transport, "copy")
     if args.backend == "torch":
         if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
             raise UsageError("--device", args.device, "cpu or cuda")
@@ -114,7 +120,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         if args.transformer is not None:
             backend = model_backend_factory(args.transformer, device=args.device, dtype=args.dtype)
         else:
-            backend = torch_backend_factory(device=args.device, dtype=args.dtype)
+            backend = torch_backend_factory(device=args.device, dtype=args.dtype, transport=args.transport)
     stats = FuzzStats()
     with _progress(console, args, stats, info.name):
         result = fuzz(
