@@ -33,10 +33,9 @@ _prefill_done = REFERENCE["pull"].prefill_done.effect
 
 
 def hand_off_and_terminate(m, s, r, q, ev):
-    s = _prefill_done(m, s, r, q, ev)
-    q = s.reqs[r]
     # BUG: the finished context request is terminated while its handoff is in progress; the
     # handed-off parameters (the record's source blocks) still name the freed blocks
+    s = _prefill_done(m, s, r, q, ev)
     ev.append(Free(m.wname[q.p], q.src, m.rname[r], q.gen))
     return s
 

@@ -13,7 +13,6 @@ Family: push.  Caught as ``early-source-free``.
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
-from pdproto.spec import Free
 
 EXPECTED = "early-source-free"
 PROJECT = "dynamo"
@@ -26,11 +25,9 @@ _prefill_done = REFERENCE["push"].prefill_done.effect
 
 
 def send_from_returned_blocks(m, s, r, q, ev):
-    s = _prefill_done(m, s, r, q, ev)
-    q = s.reqs[r]
+    s = _prefill_done(m, s, r, q, ev)  # starts the write from the prefill blocks
     # BUG: prefill blocks go back to the allocator at prefill completion, with no staging copy
-    ev.append(Free(m.wname[q.p], q.src, m.rname[r], q.gen))
-    return m.set_req(s, r, q._replace(src=()))
+    return m.set_req(s, r, m.table.free_source.effect(m, s, r, s.reqs[r], ev))
 
 
 class PrefillBlocksFreedUnderSend(HandoffModel):
