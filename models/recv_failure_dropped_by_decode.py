@@ -11,7 +11,8 @@ mutant's D only logs it, so the generation never ends.  Family: pull.
 Caught at a quiet state as ``stuck``.
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE
+from pdproto.models.transfer_failure_kept_local import failure_logged_locally
+from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
 
 PROJECT = "vllm"
 LINKS = ("https://github.com/vllm-project/vllm/issues/35943", "https://github.com/vllm-project/vllm/issues/50719")
@@ -20,18 +21,12 @@ FAULTS = ("transfer_fail",)
 EXPECTED = "stuck"
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=1, blocks=1, faults={"transfer_fail": 1})
 
-_on_xfer_failed = REFERENCE["pull"].on_xfer_failed.effect
-
-
-def error_response_logged(m, s, x, q, ev):
-    if q.end is not End.LIVE:
-        return _on_xfer_failed(m, s, x, q, ev)
-    return m.set_req(s, x.r, q)  # BUG: the failed read is only logged; the request keeps waiting
-
 
 class RecvFailureDroppedByDecode(HandoffModel):
     name = "recv_failure_dropped_by_decode"
-    rules = REFERENCE.replace("on_xfer_failed", effect=error_response_logged)
+    # BUG: the failed read is only logged (the same hole as the push-side
+    # transfer_failure_kept_local, here on the reading side)
+    rules = REFERENCE.replace("on_xfer_failed", effect=failure_logged_locally)
 
 
 def build(config: ModelConfig) -> HandoffModel:
