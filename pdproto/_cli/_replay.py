@@ -14,6 +14,8 @@ from ._args import esc, int_type, positive_int, print_result, size_type
 from ._audit import print_violations
 
 BACKENDS = ("torch",)
+#: how transfers move KV between pools (pdproto.backends._transport.TRANSPORTS)
+TRANSPORTS = ("copy", "nixl", "mooncake")
 DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
                  "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2")
 LAYOUT_CHOICES = ("mha", "mla")
@@ -38,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", metavar="FILE", help="the history to replay, or - for standard input")
     p.add_argument("--backend", choices=BACKENDS, default="torch", help="data backend (default torch)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N); default cpu")
+    p.add_argument("--transport", choices=TRANSPORTS, default=None,
+                   help="how transfers move KV between pools: copy (default, Tensor.copy_), nixl (NIXL "
+                   "agents over UCX on host memory; pdproto[nixl]) or mooncake (Mooncake's transfer engine "
+                   "over TCP on loopback; pdproto[mooncake]); see docs/replay.md")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
                    help="KV dtype (default: the header's kv.dtype, else bfloat16)")
     p.add_argument("--scale", default=None, choices=SCALE_CHOICES,
@@ -81,7 +87,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 #: replay flags that configure the KV buffers, and so mean nothing with --adapter
 KV_ONLY = ("dtype", "scale", "layout", "tp", "layers", "kv_heads", "head_dim", "block_size", "max_memory",
-           "model")
+           "model", "transport")
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
@@ -94,7 +100,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         layout=args.layout, scale=args.scale,
         policy=args.policy, complete=args.complete, skip=skip,
         max_line_bytes=args.max_line_bytes, max_memory=args.max_memory, threads=args.threads,
-        model=args.model,
+        model=args.model, transport=args.transport,
     )
     return print_result(result, args.json, lambda: _print_report(console, args.file, result))
 
@@ -110,9 +116,20 @@ def _print_report(console: Any, path: str, result: ReplayResult) -> None:
         f"[bold]{esc(name)}[/]: {result.events} events, {result.requests} requests, replayed on "
         f"{b['device']} ({b['dtype']}{scale}, {b['layers']} layers x {heads} x head dim "
         f"{b['head_dim']}, block size {b['block_size']}; {esc(par) or 'no worker'}); "
-        f"{b['bytes_copied']} bytes transferred, {b['bytes_verified']} bytes verified",
+        f"{b['bytes_copied']} bytes transferred"
+        + (f" through {b['transport']}" if b.get("transport", "copy") != "copy" else "")
+        + f", {b['bytes_verified']} bytes verified",
         markup=True,
     )
+    ts = b.get("transport_statistics")
+    if ts:
+        mean = ts["seconds"] / ts["transfers"] * 1e6 if ts["transfers"] else 0.0
+        console.print(
+            f"{esc(ts['name'])}: {ts['transfers']} transfers, {mean:.0f} us each on average (post to "
+            f"completion), {ts['notifications']} peer notifications ({ts['notifications_missing']} missing), "
+            f"{ts['aborts']} handles released by an abort ({ts['aborts_landed']} landed anyway), "
+            f"{ts['failures']} failures reported by the library, {ts['restarts']} agents re-added"
+        )
     m = b.get("model")
     if m:
         console.print(

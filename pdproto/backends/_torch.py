@@ -98,6 +98,7 @@ from ..spec._events import (
 )
 from ..spec._history import HistoryHeader
 from ..spec._monitor import Violation
+from ._transport import BlockMove, CopyTransport, Transfer, Transport, make_transport
 
 __all__ = [
     "KV_CORRUPTION",
@@ -469,7 +470,7 @@ class _Gen:
 class _Xfer:
     __slots__ = ("tid", "key", "ticket", "src", "src_blocks", "dst", "dst_blocks", "line",
                  "read", "read_line", "staged", "wrote", "write_stamp", "failed", "lost",
-                 "early_freed", "drained", "layers", "tokens", "moves")
+                 "early_freed", "drained", "layers", "tokens", "moves", "aborted")
 
     def __init__(self, ev: TransferStart, line: int) -> None:
         self.tid = ev.transfer
@@ -493,6 +494,7 @@ class _Xfer:
         self.lost = False  # its source or target worker restarted while in flight
         self.early_freed: set[int] = set()  # target blocks freed while the writes were in flight
         self.drained = False
+        self.aborted = False  # a transfer_abort came before its writes landed
 
     def copy(self) -> "_Xfer":
         n = object.__new__(_Xfer)
@@ -529,7 +531,10 @@ class TorchBackend:
     ``static_scales`` ({worker: scale}) gives a worker another per-tensor /
     per-head scale: for tests.  ``clock`` (default ``time.perf_counter``;
     e.g. ``time.process_time``) times the data work that :meth:`statistics`
-    reports.
+    reports.  ``transport``: how transfers move KV between pools, ``"copy"``
+    (default), ``"nixl"``, ``"mooncake"`` or a
+    :class:`~pdproto.backends._transport.Transport` (shared by the backend's
+    copies; see docs/replay.md, "Transports").
     """
 
     def __init__(
@@ -551,6 +556,7 @@ class TorchBackend:
         min_blocks: int = 8,
         max_memory: int | None = DEFAULT_MAX_MEMORY,
         clock: Callable[[], float] | None = None,
+        transport: str | Transport | None = None,
     ) -> None:
         header = header if header is not None else HistoryHeader()
         kv = getattr(header, "kv", None)
@@ -576,6 +582,8 @@ class TorchBackend:
             canonical_dtype(dt), lay, sc,
         )
         self.header = header
+        self.transport = make_transport(transport)
+        self._pull = getattr(header, "policy", "push") == "pull"
         self._recompute = getattr(header, "boundary", "sampled") == "recompute"
         self.tp = parse_tp(tp)
         self._tp_flag = tp is not None
@@ -1454,6 +1462,7 @@ class TorchBackend:
         moved = [0]
 
         def copy() -> None:
+            x = Transfer(t.tid, t.src, t.dst, self._pull, staged=t.staged is not None)
             for di, out in enumerate(segs):
                 dl0 = dst.parts[di][0]
                 nd = len(dst.parts[di][2])
@@ -1469,14 +1478,15 @@ class TorchBackend:
                     for i, j, cnt in runs:
                         heads = None if (cnt == nd and cnt == ns) else ((j, j + cnt), (i, i + cnt))
                         if full_ids:
-                            _copy_blocks(dst.pools[di], [d for d, _ in full_ids], sources[pi],
-                                         [s for _, s in full_ids], dl, sl, heads, None)
+                            x.moves.append(BlockMove(dst.pools[di], [d for d, _ in full_ids], sources[pi],
+                                                     [s for _, s in full_ids], dl, sl, heads, None))
                         for d, s, s0, s1 in part_ids:
-                            _copy_blocks(dst.pools[di], [d], sources[pi], [s], dl, sl, heads, (s0, s1))
+                            x.moves.append(BlockMove(dst.pools[di], [d], sources[pi], [s], dl, sl, heads, (s0, s1)))
                         moved[0] += (b - a) * cnt
                     if per_block:
                         for d, s in [(d, s) for d, s in full_ids] + [(d, s) for d, s, _, _ in part_ids]:
-                            dst.scales[di][d, :, dl[0]: dl[1]].copy_(ssc[pi][s, :, sl[0]: sl[1]])
+                            x.pairs.append((dst.scales[di][d, :, dl[0]: dl[1]], ssc[pi][s, :, sl[0]: sl[1]]))
+            self.transport.run(x, aborted=t.aborted)
 
         t_start = self._timer()
         self._side(copy, [t.src, t.dst])
@@ -2172,6 +2182,8 @@ class TorchBackend:
         if t is None or t.failed:
             return
         t.failed = True
+        if not t.wrote and not isinstance(self.transport, CopyTransport):
+            self._fail_through_transport(t)
         self._unregister_lazy(t)
         self._release(t)
         if not t.wrote:
@@ -2187,8 +2199,24 @@ class TorchBackend:
                         self._poison(w, [db], line, s0, s1)
         self._drop_writer(t)
 
+    def _fail_through_transport(self, t: _Xfer) -> None:
+        """The transport's library reports ``t`` as failed (its first block)."""
+        src = self._worker(t.src, "prefill", t.src_blocks)
+        dst = self._worker(t.dst, "decode", t.dst_blocks)
+        if src is None or dst is None or not t.src_blocks or not t.dst_blocks:
+            return
+        pairs = [(dst.pools[i][t.dst_blocks[0]], src.pools[i][t.src_blocks[0]])
+                 for i in range(min(len(dst.pools), len(src.pools)))
+                 if dst.pools[i][0].shape == src.pools[i][0].shape]
+        if pairs:
+            self.transport.fail(Transfer(t.tid, t.src, t.dst, self._pull, pairs=pairs))
+
     def _on_transfer_abort(self, ev: TransferAbort, line: int) -> None:
-        pass  # an abort is a request, not a fence
+        # an abort is a request, not a fence: the writes may still land (the
+        # transport releases the transfer's handle while active when they do)
+        t = self._xfers.get(ev.transfer)
+        if t is not None and not t.wrote and not t.failed:
+            t.aborted = True
 
     def _landed_for(self, g: _Gen, ticket: str, worker: str) -> list[_Xfer]:
         """The transfers of ``ticket`` into ``worker`` whose writes landed."""
@@ -2378,6 +2406,7 @@ class TorchBackend:
         return out
 
     def _on_restart(self, ev: Restart, line: int) -> None:
+        self.transport.restart(ev.worker)
         w = self._workers.get(ev.worker)
         for wb in [wb for wb in self._owner if wb[0] == ev.worker]:
             del self._owner[wb]
@@ -2485,32 +2514,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _nan_bits(dtype: torch.dtype) -> int:
     """The integer whose bits are a NaN of ``dtype`` (see :func:`_bytes`)."""
     return int(torch.tensor(float("nan"), dtype=dtype).view(_RAW[torch.empty((), dtype=dtype).element_size()]))
-
-
-def _copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int],
-                 dl: tuple[int, int], sl: tuple[int, int], heads: tuple | None,
-                 slots: tuple[int, int] | None) -> None:
-    """dst[dst_ids[i], dl, :, dheads, slots] = src[src_ids[i], sl, :, sheads, slots] for each i."""
-    whole_layers = dl == (0, dst.shape[2]) and sl == (0, src.shape[2])
-    full = whole_layers and heads is None and slots is None
-    runs: list[list[int]] = []
-    for d, s in zip(dst_ids, src_ids):
-        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
-            runs[-1][2] += 1
-        else:
-            runs.append([d, s, 1])
-    if full and len(runs) > 16 and len(set(dst_ids)) == len(dst_ids):
-        di = torch.tensor(dst_ids, device=dst.device, dtype=torch.int64)
-        si = torch.tensor(src_ids, device=src.device, dtype=torch.int64)
-        _bytes(dst).index_copy_(0, di, _bytes(src).index_select(0, si))
-        return
-    (dj0, dj1), (si0, si1) = heads if heads is not None else ((0, dst.shape[4]), (0, src.shape[4]))
-    t0, t1 = slots if slots is not None else (0, dst.shape[1])
-    for d, s, n in runs:
-        if full:
-            dst[d: d + n].copy_(src[s: s + n])
-        else:
-            dst[d: d + n, t0:t1, dl[0]: dl[1], :, dj0:dj1].copy_(src[s: s + n, t0:t1, sl[0]: sl[1], :, si0:si1])
 
 
 def _device(device: str | torch.device) -> torch.device:

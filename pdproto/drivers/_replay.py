@@ -46,13 +46,26 @@ def load_torch_backend() -> Any:
 
 def torch_backend_factory(**options: Any) -> Callable[[Any], Any]:
     """``factory(header) -> TorchBackend(header, **options)`` (for
-    :func:`pdproto.fuzz`); loads torch now (see :func:`load_torch_backend`)."""
+    :func:`pdproto.fuzz`); loads torch now (see :func:`load_torch_backend`).
+    A ``transport`` named here (``"nixl"``, ``"mooncake"``) is made now, once,
+    and shared by every backend the factory makes (its agents are reused)."""
     tb = load_torch_backend()
+    if options.get("transport") not in (None, "copy"):
+        options["transport"] = load_transport(options["transport"])
 
     def factory(header: Any) -> Any:
         return tb.TorchBackend(header, **options)
 
     return factory
+
+
+def load_transport(name: Any) -> Any:
+    """The transport ``name`` (``"copy"``, ``"nixl"``, ``"mooncake"``) made
+    now (its library loaded), or ``name`` when it is a transport already; a
+    :class:`~pdproto.MissingExtraError` naming the extra when its library is
+    not installed."""
+    load_torch_backend()
+    return importlib.import_module("pdproto.backends._transport").make_transport(name)
 
 
 def load_model_backend() -> Any:
@@ -154,6 +167,7 @@ def replay(
     max_memory: int | None = None,
     threads: int | None = 1,
     model: Any = None,
+    transport: Any = None,
 ) -> ReplayResult:
     """Replay the history at ``path`` (``"-"``: standard input) on one paged
     KV pool per worker, with the monitor judging it.
@@ -176,8 +190,18 @@ def replay(
     through the history's blocks, D decodes, and each decode step's logits
     are compared bit for bit with a colocated run (``logit-divergence``).  The
     layers and KV heads are then the model's (``layers`` / ``kv_heads`` must
-    be left None), ``head_dim`` and ``dtype`` those of the ownership channel."""
+    be left None), ``head_dim`` and ``dtype`` those of the ownership channel.
+
+    ``transport``: how transfers move KV between the pools: ``"copy"``
+    (default, ``Tensor.copy_``), ``"nixl"`` (NIXL agents over UCX on host
+    memory; the ``nixl`` extra) or ``"mooncake"`` (Mooncake's transfer
+    engine over TCP on loopback; the ``mooncake`` extra), or a transport
+    object (reused; the caller closes it).  See docs/replay.md."""
     tb = load_torch_backend()
+    own = isinstance(transport, str) and transport != "copy"
+    if model is not None and transport not in (None, "copy"):
+        raise UsageError("--transport with --model", transport, "copy (the model backend moves KV itself)")
+    tr = load_transport(transport) if transport is not None else None
     mb = None
     if model is not None:
         mb = load_model_backend()
@@ -195,17 +219,19 @@ def replay(
         torch.set_num_threads(threads)
     try:
         return _replay(tb, path, device, dtype, tp, layers, kv_heads, head_dim, block_size, layout, scale,
-                       policy, complete, skipped, max_line_bytes, max_memory, mb, model, threads)
+                       policy, complete, skipped, max_line_bytes, max_memory, mb, model, threads, tr)
     finally:
         if threads is not None:
             torch.set_num_threads(before)
+        if own and tr is not None:
+            tr.close()
 
 
 def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | None, tp: str | None,
             layers: int | None, kv_heads: int | None, head_dim: int | None, block_size: int | None,
             layout: str | None, scale: str | None, policy: str | None, complete: bool, skipped: Any,
             max_line_bytes: int, max_memory: int | None, mb: Any = None, model: Any = None,
-            threads: int | None = 1) -> ReplayResult:
+            threads: int | None = 1, transport: Any = None) -> ReplayResult:
     with open_history(os.fspath(path), max_line_bytes=max_line_bytes) as reader:
         monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
         limit = {} if max_memory is None else {"max_memory": max_memory}  # default: the backend's
@@ -218,7 +244,7 @@ def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | Non
             backend = tb.TorchBackend(reader.header, device=device, dtype=dtype,
                                       tp=None if tp is None else tb.parse_tp(tp), layers=layers,
                                       kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                                      layout=layout, scale=scale, **limit)
+                                      layout=layout, scale=scale, transport=transport, **limit)
         feed, apply = monitor.feed, backend.apply
         for line, event in reader:
             feed(event, line)
@@ -258,13 +284,17 @@ def _backend_info(backend: Any) -> dict[str, Any]:
         "bytes_copied": backend.bytes_copied,
         "bytes_verified": backend.bytes_verified,
         "memory": backend.memory,
+        "transport": backend.transport.name,
         "workers": {name: {"role": w.role, "tp": w.tp, "pp": w.pp, "blocks": w.nblocks}
                     for name, w in sorted(backend._workers.items())},
     }
     if L.scale is not None:
         out["scale"] = L.scale
+    if backend.transport.name != "copy":
+        out["transport_statistics"] = backend.transport.statistics().to_dict()
     return out
 
 
-__all__ = ["replay", "ReplayResult", "load_torch_backend", "torch_backend_factory", "load_model_backend",
+__all__ = ["replay", "ReplayResult", "load_torch_backend", "torch_backend_factory", "load_transport",
+           "load_model_backend",
            "model_backend_factory", "KV_CORRUPTION", "LOGIT_DIVERGENCE"]
