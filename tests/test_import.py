@@ -325,3 +325,62 @@ def test_importers_are_log_importers():
         assert issubclass(cls, LogImporter)
         assert set(cls.RECORDS) <= set(cls.KINDS) | set(cls.DEBUG_KINDS)
         assert all(p.level for p in cls.PATTERNS)
+
+
+# -- judging an imported log end to end ---------------------------------------
+
+
+def _audit_json(history: pathlib.Path) -> tuple[int, dict]:
+    proc = _cli("audit", "--json", str(history))
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("level", ["debug", "warning"])
+def test_lease_expiry_then_read_audits_as_early_source_free(tmp_path, level):
+    """The done-when of issue 14: P's lease ran out ("Releasing expired KV blocks") and D's READ of
+    those blocks completed afterwards ("Potentially invalid KV blocks ... were retrieved by a decode
+    worker"): early-source-free, naming the request and both log lines."""
+    lines = (LOGS / "vllm-lease-expiry-then-read.log").read_text().splitlines(keepends=True)
+    if level == "warning":  # vLLM's default level: only the WARNING and ERROR lines are there
+        lines = [line for line in lines if " DEBUG " not in line]
+    log = tmp_path / "p.log"
+    log.write_text("".join(lines))
+    history = tmp_path / "h.jsonl"
+    import_log("vllm", str(log), str(history))
+    code, result = _audit_json(history)
+    assert code == 1
+    [violation] = result["violations"]
+    read, expiry = (7, 5) if level == "debug" else (4, 3)  # log lines of the read and of the expiry
+    assert violation["invariant"] == "early-source-free"
+    assert violation["request"] == "cmpl-7f3a9c1e-0-4b2d8e11" and violation["gen"] is None
+    assert violation["line"] == 3 and violation["witness"] == [2]  # history lines
+    assert violation["log_line"] == read and violation["witness_log_lines"] == [expiry]
+    assert "double-allocation" in {n["invariant"] for n in result["not_judged"]}
+
+
+def test_clean_log_audits_clean_listing_what_was_not_judged(tmp_path):
+    history = tmp_path / "h.jsonl"
+    import_log("vllm", str(LOGS / "vllm-clean-handoff.log"), str(history))
+    code, result = _audit_json(history)
+    assert code == 0 and result["ok"] and result["violations"] == []
+    not_judged = {n["invariant"] for n in result["not_judged"]}
+    assert {"double-allocation", "leak", "stuck", "commit-before-ready"} <= not_judged
+    assert "early-source-free" not in not_judged
+    assert result["observed"] == sorted(result["observed"]) and "free" in result["observed"]
+    proc = _cli("audit", str(history))  # the text report lists them too
+    assert proc.returncode == 0 and "not judged" in proc.stdout and "double-allocation" in proc.stdout
+
+
+@pytest.mark.parametrize("engine, name", [
+    ("vllm", "vllm-25562-lease-expired.log"),  # expiries with 0 reads: no read followed, nothing proven
+    ("vllm", "vllm-aibrix-1772-late-read.log"),  # the read alone: its free is not in the excerpt
+    ("sglang", "sglang-12688-decode-transfer-failed.log"),
+    ("sglang", "sglang-11648-decode-timeout.log"),
+    ("dynamo", "dynamo-5095-router.log"),
+])
+def test_public_excerpts_audit_clean(tmp_path, engine, name):
+    history = tmp_path / "h.jsonl"
+    import_log(engine, str(LOGS / name), str(history))
+    code, result = _audit_json(history)
+    assert code == 0, result["violations"]
+    assert result["not_judged"]
