@@ -281,14 +281,33 @@ def test_an_existing_output_is_never_left_half_written(tmp_path):
     assert os.listdir(tmp_path) == ["h.jsonl"]  # no temporary file left
 
 
-def _cli(*args, stdin=None):
+def _subprocess(*args, stdin=None):
     return subprocess.run([sys.executable, "-m", "pdproto", *args], capture_output=True, text=True, input=stdin,
                           timeout=120)
 
 
-def test_cli_writes_the_history_and_a_summary(tmp_path):
+class _Ran:
+    def __init__(self, returncode: int, out: str, err: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, out, err
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run ``pdproto ARGS`` in this process (fast); returns code, stdout, stderr."""
+    from pdproto._cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return _Ran(code, out, err)
+
+    return run
+
+
+def test_cli_writes_the_history_and_a_summary(tmp_path, cli):
     out = tmp_path / "h.jsonl"
-    proc = _cli("import", "vllm", str(LOGS / "vllm-unknown-handoff-line.log"), "-o", str(out))
+    proc = cli("import", "vllm", str(LOGS / "vllm-unknown-handoff-line.log"), "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
     assert "1 line(s) look like handoff lines" in proc.stderr
@@ -298,7 +317,7 @@ def test_cli_writes_the_history_and_a_summary(tmp_path):
 
 def test_cli_stdin_to_stdout_and_json_summary():
     text = (LOGS / "sglang-12688-decode-transfer-failed.log").read_text()
-    proc = _cli("import", "sglang", "-", "--json", stdin=text)
+    proc = _subprocess("import", "sglang", "-", "--json", stdin=text)
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.splitlines()) == 3
     summary = json.loads(proc.stderr)
@@ -311,8 +330,8 @@ def test_cli_stdin_to_stdout_and_json_summary():
     (("import", "vllm", "/"), "not a directory"),
     (("import", "vllm", str(LOGS / "vllm-clean-handoff.log"), "-o", "/no/such/dir/h.jsonl"), "-o"),
 ])
-def test_cli_bad_input_is_one_line_exit_2(args, said):
-    proc = _cli(*args)
+def test_cli_bad_input_is_one_line_exit_2(args, said, cli):
+    proc = cli(*args)
     assert proc.returncode == 2
     assert said in proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr
@@ -330,13 +349,13 @@ def test_importers_are_log_importers():
 # -- judging an imported log end to end ---------------------------------------
 
 
-def _audit_json(history: pathlib.Path) -> tuple[int, dict]:
-    proc = _cli("audit", "--json", str(history))
+def _audit_json(cli, history: pathlib.Path) -> tuple[int, dict]:
+    proc = cli("audit", "--json", str(history))
     return proc.returncode, json.loads(proc.stdout)
 
 
 @pytest.mark.parametrize("level", ["debug", "warning"])
-def test_lease_expiry_then_read_audits_as_early_source_free(tmp_path, level):
+def test_lease_expiry_then_read_audits_as_early_source_free(tmp_path, level, cli):
     """The done-when of issue 14: P's lease ran out ("Releasing expired KV blocks") and D's READ of
     those blocks completed afterwards ("Potentially invalid KV blocks ... were retrieved by a decode
     worker"): early-source-free, naming the request and both log lines."""
@@ -347,7 +366,7 @@ def test_lease_expiry_then_read_audits_as_early_source_free(tmp_path, level):
     log.write_text("".join(lines))
     history = tmp_path / "h.jsonl"
     import_log("vllm", str(log), str(history))
-    code, result = _audit_json(history)
+    code, result = _audit_json(cli, history)
     assert code == 1
     [violation] = result["violations"]
     read, expiry = (7, 5) if level == "debug" else (4, 3)  # log lines of the read and of the expiry
@@ -358,16 +377,16 @@ def test_lease_expiry_then_read_audits_as_early_source_free(tmp_path, level):
     assert "double-allocation" in {n["invariant"] for n in result["not_judged"]}
 
 
-def test_clean_log_audits_clean_listing_what_was_not_judged(tmp_path):
+def test_clean_log_audits_clean_listing_what_was_not_judged(tmp_path, cli):
     history = tmp_path / "h.jsonl"
     import_log("vllm", str(LOGS / "vllm-clean-handoff.log"), str(history))
-    code, result = _audit_json(history)
+    code, result = _audit_json(cli, history)
     assert code == 0 and result["ok"] and result["violations"] == []
     not_judged = {n["invariant"] for n in result["not_judged"]}
     assert {"double-allocation", "leak", "stuck", "commit-before-ready"} <= not_judged
     assert "early-source-free" not in not_judged
     assert result["observed"] == sorted(result["observed"]) and "free" in result["observed"]
-    proc = _cli("audit", str(history))  # the text report lists them too
+    proc = cli("audit", str(history))  # the text report lists them too
     assert proc.returncode == 0 and "not judged" in proc.stdout and "double-allocation" in proc.stdout
 
 
@@ -378,9 +397,9 @@ def test_clean_log_audits_clean_listing_what_was_not_judged(tmp_path):
     ("sglang", "sglang-11648-decode-timeout.log"),
     ("dynamo", "dynamo-5095-router.log"),
 ])
-def test_public_excerpts_audit_clean(tmp_path, engine, name):
+def test_public_excerpts_audit_clean(tmp_path, engine, name, cli):
     history = tmp_path / "h.jsonl"
     import_log(engine, str(LOGS / name), str(history))
-    code, result = _audit_json(history)
+    code, result = _audit_json(cli, history)
     assert code == 0, result["violations"]
     assert result["not_judged"]
