@@ -42,7 +42,17 @@ from ._events import (
     EVENT_TYPES,
 )
 from ._history import HistoryHeader, KVSpec, WorkerSpec
-from ._monitor import _DISPATCH, _OWN, Monitor, _blocks_text, _fmt_gen, check_invariant_ids, not_judged
+from ._monitor import (
+    _DISPATCH,
+    _OWN,
+    INVARIANT_NEEDS,
+    Monitor,
+    _blocks_text,
+    _fmt_gen,
+    _met,
+    check_invariant_ids,
+    not_judged,
+)
 from ._observed import Observation
 
 __all__ = ["PartialMonitor"]
@@ -66,7 +76,7 @@ class PartialMonitor(Monitor):
     ignored (``pdproto audit --observed`` narrows a history that has them).
     """
 
-    __slots__ = ("observed", "not_judged", "_kinds", "_own", "_by_request", "_freed", "_requests")
+    __slots__ = ("observed", "not_judged", "_kinds", "_own", "_by_request", "_freed", "_requests", "_by_read_only")
 
     def __init__(
         self,
@@ -94,6 +104,11 @@ class PartialMonitor(Monitor):
         self.not_judged: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = tuple(found)
         self._kinds = frozenset(EVENT_TYPES[k] for k in observed.kinds)
         self._own = frozenset(_OWN) <= provided  # every kind that takes or frees a block is seen
+        # early-source-free judged by its second alternative alone (reads
+        # named by request): the transfers' state cannot show it (a start or
+        # an end of a read is not seen), only a read completing after a free
+        self._by_read_only = not any(
+            all(_met(t, provided) for t in alt) for alt in INVARIANT_NEEDS["early-source-free"][:1])
         self._by_request: dict[str, list[str]] = {}  # request -> its transfers
         # request -> {worker: (line of the free, gen or None)}, the latest frees
         self._freed: dict[str, dict[str, tuple[int, int | None]]] = {}
@@ -137,6 +152,7 @@ class PartialMonitor(Monitor):
         new.not_judged = self.not_judged
         new._kinds = self._kinds
         new._own = self._own
+        new._by_read_only = self._by_read_only
         new._by_request = {r: list(t) for r, t in self._by_request.items()}
         new._freed = {r: dict(w) for r, w in self._freed.items()}
         new._requests = set(self._requests)
@@ -173,6 +189,9 @@ class PartialMonitor(Monitor):
                 self._forget_free(request, event.worker)  # type: ignore[attr-defined]
             elif cls is Submit and not unknown_gen:
                 self._freed.pop(request, None)  # a new generation: its blocks are new
+        if out and self._by_read_only:
+            # (the read-after-free check names no transfer; the others do)
+            out[:] = [v for v in out if v.invariant != "early-source-free" or v.transfer is None]
         if out and unknown_gen:
             out[:] = [attrs.evolve(v, gen=None) if v.request == request and v.line == line else v for v in out]
         if out:
