@@ -403,3 +403,18 @@ def test_public_excerpts_audit_clean(tmp_path, engine, name, cli):
     code, result = _audit_json(cli, history)
     assert code == 0, result["violations"]
     assert result["not_judged"]
+
+
+def test_the_docs_example_does_what_docs_importers_md_shows(tmp_path, cli):
+    root = pathlib.Path(__file__).parent.parent
+    doc = (root / "docs" / "importers.md").read_text()
+    history = tmp_path / "lease.jsonl"
+    summary = import_log("vllm", str(root / "docs" / "examples" / "vllm-lease-expiry.log"), str(history))
+    assert (summary.events, summary.unrecognised, [e.line for e in summary.examples]) == (4, 1, [11])
+    for line in history.read_text().splitlines()[1:]:  # the events, as the doc prints them
+        assert line in doc
+    code, result = _audit_json(cli, history)
+    assert code == 1
+    assert [(v["invariant"], v["line"], v["log_line"], v["witness_log_lines"]) for v in result["violations"]] == [
+        ("early-source-free", 5, 12, [9])]
+    assert len(result["not_judged"]) == 16 and "not judged (16)" in doc
