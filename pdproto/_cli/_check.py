@@ -236,7 +236,7 @@ def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
 
 #: The format 1.1 fields of a handoff configuration, with their "off" value:
 #: left out of the printed configuration when off.
-_V11_OFF = {"prefix_cache": False, "chunks": 1, "layerwise": False}
+_V11_OFF = {"prefix_cache": False, "chunks": 1, "layerwise": False, "heartbeat": False}
 
 
 def _config_dict(config: Any) -> Any:

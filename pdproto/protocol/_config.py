@@ -82,6 +82,17 @@ class ModelConfig:
       (``tokens=[lo, hi)``, split as evenly as possible) or, with
       ``layerwise``, one layer of ``chunks`` layers (``layers=[i, i+1)``).
       The KV is ready when every chunk has landed.
+
+    Extensions for bugs the base protocol cannot express (docs/protocol.md,
+    "Extensions"; off by default, and then the model is unchanged):
+
+    - ``heartbeat`` (pull): P's source of a prefilled generation is held
+      under a lease that D renews with heartbeats while it is alive; when
+      D's heartbeats stop (D restarted since P told it the prefill was
+      ready) the lease may expire (a ``timeout`` fault): P frees the source
+      and the router fails the generation.  Without a heartbeat the source
+      waits for D however long it takes (the base protocol).  No new event
+      kind: the history format is unchanged.
     """
 
     policy: str = attrs.field(default="push", validator=_policy)
@@ -96,6 +107,7 @@ class ModelConfig:
     prefix_cache: bool = attrs.field(default=False, validator=_flag)
     chunks: int = attrs.field(default=1, validator=_positive)
     layerwise: bool = attrs.field(default=False, validator=_flag)
+    heartbeat: bool = attrs.field(default=False, validator=_flag)
 
     def __init__(self, *args: Any, mode: str | None = None, **kwargs: Any) -> None:
         if mode is not None:
@@ -123,7 +135,8 @@ class ModelConfig:
     def __hash__(self) -> int:  # faults is a dict; hash its items
         return hash((self.policy, self.requests, self.prefill_workers, self.decode_workers,
                      self.blocks, self.block_size, self.prompt_len, self.max_new_tokens,
-                     tuple(sorted(self.faults.items())), self.prefix_cache, self.chunks, self.layerwise))
+                     tuple(sorted(self.faults.items())), self.prefix_cache, self.chunks, self.layerwise,
+                     self.heartbeat))
 
     @property
     def prefix_blocks(self) -> int:

@@ -115,6 +115,8 @@ def prefill_done_push(m: Any, s: Any, r: int, q: Req, ev: list) -> Any:
 
 def prefill_done_pull(m: Any, s: Any, r: int, q: Req, ev: list) -> Any:
     q = _prefilled(m, s, r, q, ev)
+    if m.heartbeat:  # the incarnation of D whose heartbeats renew P's lease
+        q = q._replace(dinc=s.inc[q.d])
     return m.send(m.set_req(s, r, with_ph(q, PREFILLED)), READY, r, q.gen, q.p, q.d)
 
 
@@ -137,6 +139,18 @@ def source_lease_over(m: Any, s: Any, r: int, q: Req) -> bool:
 def p_lease(m: Any, s: Any, r: int, q: Req, ev: list) -> Any:
     ev.append(Free(m.wname[q.p], q.src, m.rname[r], q.gen))
     return m.set_req(s, r, with_src(q, ()))
+
+
+def heartbeat_stopped(m: Any, s: Any, r: int, q: Req) -> bool:
+    """(heartbeat) P still holds the source and D's heartbeats stopped: D
+    restarted since P told it the prefill was ready."""
+    return m.heartbeat and bool(q.src) and q.dinc != s.inc[q.d]
+
+
+def lease_expire(m: Any, s: Any, r: int, q: Req, ev: list) -> Any:
+    ev.append(Free(m.wname[q.p], q.src, m.rname[r], q.gen))
+    s = m.set_req(s, r, with_src(q, ()))
+    return m.finish_gen(s, r, FAILED, ev, "timeout")
 
 
 def notify_gone(m: Any, s: Any, r: int, q: Req) -> bool:
@@ -486,6 +500,10 @@ PULL = RuleTable("pull", (
     Rule("p_lease", R, "P", "committed, P still holds the source, no transfer reads it (release late or lost)",
          "P's source lease expires: P frees the source", ("free",),
          source_lease_over, p_lease, fault="timeout", phases=(COMMITTED,)),
+    Rule("lease_expire", R, "P", "heartbeat: prefilled (F), P holds the source, D's heartbeats stopped "
+         "(D restarted since P sent ready)", "P's source lease expires: P frees the source and the router "
+         "fails the generation; cleanup", ("free", "fail"), heartbeat_stopped, lease_expire, fault="timeout",
+         phases=(PREFILLED,), calls=CLEANUP),
     CANCEL,
     _expire("prefilled (F) and no ready", PREFILLED, ready_gone),
     TIMEOUT,

@@ -125,6 +125,8 @@ class HandoffModel:
         self.chunks = config.chunks
         self.layerwise = config.layerwise
         self.chunk_ranges = config.chunk_ranges
+        #: extension: P's source lease renewed by D's heartbeats (pull only)
+        self.heartbeat = config.heartbeat and config.policy == "pull"
         # D keeps room for the prompt and every decoded position
         self.ndst = max(self.nsrc, _ceil(config.prompt_len + config.max_new_tokens - 1, config.block_size))
         self.wname = tuple(f"P{i}" for i in range(self.np)) + tuple(f"D{i}" for i in range(self.nd))
