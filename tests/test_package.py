@@ -51,7 +51,7 @@ def test_every_command_is_registered(capsys):
     parser = build_parser()
     choices = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     assert list(choices) == list(COMMANDS)
-    assert set(COMMANDS) == {"check", "fuzz", "audit", "conform", "import", "replay", "cost", "simulate"}
+    assert set(COMMANDS) == {"check", "fuzz", "audit", "conform", "import", "replay", "corpus", "cost", "simulate"}
 
 
 def test_no_command_prints_help_and_exits_2(capsys):

@@ -29,7 +29,7 @@ __all__ = ["COMMANDS", "EXIT_OK", "EXIT_VIOLATION", "EXIT_BAD_INPUT", "build_par
            "positive_int"]
 
 # Order is the order shown by ``pdproto --help``.
-COMMANDS = ("check", "fuzz", "audit", "conform", "import", "replay", "cost", "simulate")
+COMMANDS = ("check", "fuzz", "audit", "conform", "import", "replay", "corpus", "cost", "simulate")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -42,7 +42,8 @@ from ..protocol._state import Phase
 from ..spec._history import POLICIES, read_events, write_history
 from ..spec._monitor import INVARIANTS
 
-__all__ = ["Entry", "entries", "contract_problems", "judge", "render", "corpus_dir", "load_expected",
+__all__ = ["Entry", "entries", "contract_problems", "judge", "render", "corpus_dir", "load_expected", "run_corpus",
+           "CorpusCase",
            "EXPECTED_FILE", "FUZZ_EXAMPLES", "FUZZ_SEED", "SAMPLES"]
 
 #: the fuzz budget of every verdict, with its fixed seed
@@ -538,3 +539,96 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# -- running the corpus -----------------------------------------------------------
+
+
+@attrs.frozen
+class CorpusCase:
+    """One history of the corpus, judged: ``ok`` when it got its expected
+    verdict (no adapter: audit reports the expected invariant first, at the
+    expected line, or nothing for a clean history; with an adapter: the
+    engine re-enacting it broke no invariant).  ``got`` says what happened;
+    ``skipped`` says why it was not run (another family than the adapter's)."""
+
+    history: str
+    model: str
+    expected: str | None
+    line: int | None
+    ok: bool
+    got: str
+    skipped: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"history": self.history, "model": self.model, "expected": self.expected, "line": self.line,
+                "ok": self.ok, "got": self.got, "skipped": self.skipped}
+
+
+def run_corpus(directory: str | None = None, adapter: str | None = None) -> list[CorpusCase]:
+    """Judge every history of the corpus at ``directory`` (default: the
+    shipped one, :func:`corpus_dir`) by its ``EXPECTED.json``: with
+    :func:`~pdproto.drivers.audit`, or, given ``adapter`` (an
+    :func:`~pdproto.drivers.load_adapter` name), by re-enacting it on that
+    system (:func:`~pdproto.drivers.replay_on_adapter`): a correct system
+    must not reproduce any bug of the corpus (it refuses the buggy step, or
+    takes it without breaking an invariant) and must run the clean histories
+    without breaking one.  A ``model:NAME`` adapter is built with each
+    history's configuration."""
+    from .._errors import UsageError
+    from ._adapter import load_adapter
+    from ._adapter_replay import replay_on_adapter
+    from ._audit import audit
+
+    directory = directory if directory is not None else corpus_dir()
+    try:
+        index = load_expected(directory)
+    except FileNotFoundError:
+        raise UsageError("corpus directory", directory, f"a directory holding {EXPECTED_FILE} and its histories") \
+            from None
+    except ValueError as exc:
+        raise UsageError(f"{os.path.join(directory, EXPECTED_FILE)}", str(exc), "a JSON object") from None
+    out = []
+    shared = None
+    if adapter is not None and not adapter.startswith("model:"):
+        shared = load_adapter(adapter)
+    try:
+        for name in sorted(index):
+            rec = index[name]
+            path = os.path.join(directory, name)
+            if not os.path.exists(path):
+                raise UsageError("corpus history", path, f"a file listed in {EXPECTED_FILE} that exists")
+            want, line = rec.get("expected"), rec.get("line")
+            if adapter is None:
+                found = audit(path).violations
+                first = found[0] if found else None
+                got = "clean" if first is None else f"{first.invariant} at line {first.line}"
+                ok = (first is None and want is None) or (
+                    first is not None and first.invariant == want and first.line == line)
+                out.append(CorpusCase(name, rec.get("model", ""), want, line, ok, got))
+                continue
+            engine = shared
+            if engine is None:
+                engine = load_adapter(adapter, **rec.get("config", {}))
+            family = getattr(getattr(engine, "header", None), "policy", None)
+            if family is not None and family != rec.get("family", family):
+                out.append(CorpusCase(name, rec.get("model", ""), want, line, True, "-",
+                                      skipped=f"a {rec['family']} history; the adapter is {family}"))
+                continue
+            try:
+                res = replay_on_adapter(path, engine)
+            finally:
+                if engine is not shared:
+                    engine.close()
+            refused = sum(1 for d in res.divergences if d.kind == "refused")
+            if res.violations:
+                v = res.violations[0]
+                got = f"{v.invariant} at line {v.line}"
+            else:
+                got = "no invariant broken" + (f" ({len(res.divergences)} divergences, {refused} refused)"
+                                               if res.divergences else ", followed it all")
+            out.append(CorpusCase(name, rec.get("model", ""), want, line, not res.violations, got))
+    finally:
+        if shared is not None:
+            shared.close()
+    return out
