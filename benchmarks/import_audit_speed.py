@@ -8,15 +8,16 @@ sending / recving), and around them the lines a DEBUG log is mostly made of
 (HTTP access lines, "Added request", the scheduler's and model runner's DEBUG
 chatter, the metrics line every few hundred lines); 1% of the handoffs have a
 lease expiry followed by a late READ (early-source-free), 0.5% a NIXL
-transfer failure, 1% an abort at D while loading.  Then, in a fresh process
-(so that its peak memory is the pipeline's alone), `pdproto import vllm` to a
-file and `pdproto audit` of that file, each timed.
+transfer failure, 1% an abort at D while loading.  Then, in two fresh
+processes (so that each peak memory is its own), `pdproto import vllm` to a
+file and `pdproto audit` of that file, each timed (wall and CPU).
 
     python benchmarks/import_audit_speed.py                 # 1,000,000 lines
     python benchmarks/import_audit_speed.py --lines 100000
 
 Target (issue 14): import + audit under 30 s on this machine, in constant
-memory (the peak RSS of a 100,000-line and a 1,000,000-line run compare).
+memory: the import's peak RSS is the same for 100,000 and 1,000,000 lines
+(the audit's grows with the live ids it tracks, not with the file).
 """
 
 from __future__ import annotations
@@ -120,40 +121,50 @@ def write_log(path: str, lines: int, seed: int = 1) -> dict[str, int]:
     return {"lines": written, "handoffs": handoffs, **faults}
 
 
-RUN = r"""
+IMPORT = r"""
 import json, resource, sys, time
-from pdproto.importers import import_log
-from pdproto.drivers._audit import audit
-log, out = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
-imported = import_log("vllm", log, out)
-t1 = time.perf_counter()
-result = audit(out)
-t2 = time.perf_counter()
+from pdproto.importers import import_log
+imported = import_log("vllm", sys.argv[1], sys.argv[2])
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"import_s": time.perf_counter() - t0, "events": imported.events,
+                  "unrecognised": imported.unrecognised, "import_cpu_s": usage.ru_utime + usage.ru_stime,
+                  "import_rss_mb": usage.ru_maxrss / 1024}))
+"""
+AUDIT = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+from pdproto.drivers._audit import audit
+result = audit(sys.argv[1])
 usage = resource.getrusage(resource.RUSAGE_SELF)
 found = {}
 for v in result.violations:
     found[v.invariant] = found.get(v.invariant, 0) + 1
-print(json.dumps({"import_s": t1 - t0, "audit_s": t2 - t1, "events": imported.events,
-                  "unrecognised": imported.unrecognised, "violations": found,
+print(json.dumps({"audit_s": time.perf_counter() - t0, "violations": found,
                   "not_judged": len(getattr(result, "not_judged", ()) or ()),
-                  "cpu_s": usage.ru_utime + usage.ru_stime, "max_rss_mb": usage.ru_maxrss / 1024}))
+                  "audit_cpu_s": usage.ru_utime + usage.ru_stime, "audit_rss_mb": usage.ru_maxrss / 1024}))
 """
 
 
-def measure(lines: int) -> dict:
+def _run(script: str, *args: str) -> dict:
     import json
 
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr)
+    return json.loads(proc.stdout)
+
+
+def measure(lines: int) -> dict:
+    """Import and audit, each in a fresh process (its time counts its
+    imports of pdproto; its peak RSS is its own)."""
     with tempfile.TemporaryDirectory() as tmp:
         log, out = os.path.join(tmp, "vllm-debug.log"), os.path.join(tmp, "imported.jsonl")
         t0 = time.perf_counter()
         mix = write_log(log, lines)
         gen_s = time.perf_counter() - t0
         size = os.path.getsize(log)
-        proc = subprocess.run([sys.executable, "-c", RUN, log, out], capture_output=True, text=True, cwd=ROOT)
-        if proc.returncode != 0:
-            raise SystemExit(proc.stderr)
-        got = json.loads(proc.stdout)
+        got = {**_run(IMPORT, log, out), **_run(AUDIT, out)}
     return {**mix, "log_mb": size / 2**20, "generate_s": gen_s, **got}
 
 
@@ -169,11 +180,13 @@ def main() -> None:
         total = r["import_s"] + r["audit_s"]
         print(f"{r['lines']:>9,} lines ({r['log_mb']:.0f} MiB, {r['handoffs']:,} handoffs: {r['expiry']} lease "
               f"expiries then a late read, {r['failure']} transfer failures, {r['abort']} aborts at D)")
-        print(f"  import {r['import_s']:6.2f} s ({r['lines'] / r['import_s']:,.0f} lines/s), {r['events']:,} events, "
-              f"{r['unrecognised']} unrecognised")
-        print(f"  audit  {r['audit_s']:6.2f} s; violations {r['violations']}; not judged {r['not_judged']}")
+        print(f"  import {r['import_s']:6.2f} s wall, {r['import_cpu_s']:.2f} s CPU "
+              f"({r['lines'] / r['import_s']:,.0f} lines/s), {r['events']:,} events, {r['unrecognised']} "
+              f"unrecognised; peak RSS {r['import_rss_mb']:.0f} MiB")
+        print(f"  audit  {r['audit_s']:6.2f} s wall, {r['audit_cpu_s']:.2f} s CPU; violations {r['violations']}; "
+              f"not judged {r['not_judged']}; peak RSS {r['audit_rss_mb']:.0f} MiB")
         print(f"  import + audit {total:.2f} s wall (target < 30 s: {'met' if total < 30 else 'NOT met'}), "
-              f"{r['cpu_s']:.2f} s CPU (the whole process, start-up included); peak RSS {r['max_rss_mb']:.0f} MiB")
+              f"{r['import_cpu_s'] + r['audit_cpu_s']:.2f} s CPU (each process's start-up included)")
         print(f"  load average {os.getloadavg()[0]:.1f} (the machine is shared: wall time grows with it)")
 
 

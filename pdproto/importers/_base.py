@@ -184,6 +184,10 @@ class LogImporter:
         self.lines = 0
         self._handlers = [(p.name, p.anchor, p.regex, getattr(self, p.handler)) for p in self.PATTERNS]
 
+    def known(self, match: "re.Match[str]") -> list:
+        """The handler of a known line that means no event."""
+        return []
+
     def observed(self) -> tuple[str, ...]:
         """The event kinds this log lets the history declare observed."""
         kinds = set(self.KINDS) | (set(self.DEBUG_KINDS) if self.debug else set())
@@ -272,9 +276,13 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         writer = HistoryWriter(spool, widest)
         observed, features = widest.observed, widest.features
         count = 0
-        for obj in importer.events(_lines(fh, log)):
-            writer.write(parse_event(obj, features, False, observed))
-            count += 1
+        write = writer.write
+        try:
+            for obj in importer.events(fh):
+                write(parse_event(obj, features, False, observed))
+                count += 1
+        except OSError as exc:  # reading the log (or writing the spool) failed midway
+            raise UsageError("LOG", log, f"a log that can be read to its end ({exc.strerror or exc})") from None
         header = importer.header()
         spool.seek(0)
         spool.readline()
@@ -296,13 +304,6 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         observed=importer.observed(),
         debug=importer.debug,
     )
-
-
-def _lines(fh: IO[str], log: str) -> Iterator[str]:
-    try:
-        yield from fh
-    except OSError as exc:
-        raise UsageError("LOG", log, f"a readable log file ({exc.strerror or exc})") from None
 
 
 def _write_atomically(path: str, header: HistoryHeader, spool: IO[str]) -> None:

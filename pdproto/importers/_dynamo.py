@@ -55,9 +55,9 @@ class DynamoImporter(LogImporter):
     )
     PATTERNS = (
         Pattern("mark_prefill_failed", "Failed to mark prefill completed",
-                re.compile(r"Failed to mark prefill completed(?: for request)?" + _ID), "_nothing", "WARN"),
+                re.compile(r"Failed to mark prefill completed(?: for request)?" + _ID), "known", "WARN"),
         Pattern("free_failed", "Failed to free request",
-                re.compile(r"Failed to free request" + _ID), "_nothing", "WARN"),
+                re.compile(r"Failed to free request" + _ID), "known", "WARN"),
         Pattern("cancelled", "cancelled, ending stream",
                 re.compile(r"Request (?P<id>\S+) cancelled, ending stream"), "_cancelled", "DEBUG"),
     )
@@ -65,9 +65,6 @@ class DynamoImporter(LogImporter):
     def __init__(self) -> None:
         super().__init__()
         self._once = Bounded()
-
-    def _nothing(self, match: "re.Match[str]") -> list:
-        return []
 
     def _cancelled(self, match: "re.Match[str]") -> list:
         request = match.group("id")

@@ -68,16 +68,13 @@ class SglangImporter(LogImporter):
         Pattern("decode_handshake_failed", "Decode handshake failed for request",
                 re.compile(r"Decode handshake failed for request " + _IDS), "_bootstrap", "ERROR"),
         Pattern("transfer_timeout_notice", "fail to receive KV Cache transfer done signal",
-                re.compile(r"Some requests fail to receive KV Cache transfer done signal"), "_nothing", "WARNING"),
+                re.compile(r"Some requests fail to receive KV Cache transfer done signal"), "known", "WARNING"),
     )
 
     def __init__(self) -> None:
         super().__init__()
         self._failed = Bounded()  # (request, room) whose transfer failure is written
         self._ended = Bounded()  # requests whose end is written
-
-    def _nothing(self, match: "re.Match[str]") -> list:
-        return []
 
     def _ending(self, request: str, rest: str, what: str) -> list:
         return [_end(request, rest, what)] if self._ended.add(request) else []

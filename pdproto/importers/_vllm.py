@@ -86,7 +86,7 @@ class VllmImporter(LogImporter):
                 re.compile(r"request_finished\((.+?)\), request_status=(\S+), kv_transfer_params=(.*)$"),
                 "_request_finished", "DEBUG"),
         Pattern("request_finished_waiting", "request_finished(",
-                re.compile(r"request_finished\((.+?)\) waiting for \d+ seconds"), "_nothing", "DEBUG"),
+                re.compile(r"request_finished\((.+?)\) waiting for \d+ seconds"), "known", "DEBUG"),
         Pattern("finished_sending", "Finished sending KV transfer",
                 re.compile(r"Finished sending KV transfer for request (\S+)"), "_finished_sending", "DEBUG"),
         Pattern("finished_recving", "Finished recving KV transfer",
@@ -102,13 +102,13 @@ class VllmImporter(LogImporter):
                 re.compile(r"NIXL transfer failure: ([A-Za-z_]+)\S*.*? \| Context: (.*)$"),
                 "_failure", "ERROR"),
         Pattern("get_num_new_matched_tokens", "get_num_new_matched_tokens",
-                re.compile(r"get_num_new_matched_tokens: num_computed_tokens="), "_nothing", "DEBUG"),
+                re.compile(r"get_num_new_matched_tokens: num_computed_tokens="), "known", "DEBUG"),
         Pattern("update_state_after_alloc", "update_state_after_alloc",
-                re.compile(r"update_state_after_alloc: num_external_tokens="), "_nothing", "DEBUG"),
+                re.compile(r"update_state_after_alloc: num_external_tokens="), "known", "DEBUG"),
         Pattern("heartbeat", "Heartbeat extended lease",
-                re.compile(r"Heartbeat extended lease for request \S+"), "_nothing", "DEBUG"),
+                re.compile(r"Heartbeat extended lease for request \S+"), "known", "DEBUG"),
         Pattern("get_finished", "get_finished:",
-                re.compile(r"get_finished: \d+ requests done sending"), "_nothing", "DEBUG"),
+                re.compile(r"get_finished: \d+ requests done sending"), "known", "DEBUG"),
     )
 
     def __init__(self) -> None:
@@ -117,9 +117,6 @@ class VllmImporter(LogImporter):
         self._cancelled = Bounded()  # D requests ended while loading: a late finished_recving frees them
         self._received = Bounded()  # D requests whose KV arrived and that have not ended
         self._once = Bounded()  # (line kind, request) of worker-side lines: one per TP rank
-
-    def _nothing(self, match: "re.Match[str]") -> list:
-        return []
 
     def _request_finished(self, match: "re.Match[str]") -> list:
         request, status, params = match.group(1), _status(match.group(2)), match.group(3)
