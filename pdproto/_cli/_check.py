@@ -261,17 +261,21 @@ def _config_dict(config: Any) -> Any:
 
 
 def _list(args: argparse.Namespace, console: Any, models: list) -> int:
+    from ..drivers._catalogue import list_rows  # the catalogue's rows in short (docs/bugs.md in full)
+
+    rows = list_rows(models)
     if args.json:
-        print_json([{"model": n, "expected": e, "summary": d} for n, e, d in models], console.file)
+        print_json(rows, console.file)
         return EXIT_OK
     from rich.table import Table
 
-    table = Table(title="models", title_justify="left")
-    table.add_column("model")
-    table.add_column("expected invariant")
-    table.add_column("what it models")
-    for name, expected, doc in models:
-        table.add_row(esc(name), esc(expected or "none (correct)"), esc(doc))
+    table = Table(title="models (docs/bugs.md has every tool's verdict)", title_justify="left")
+    for column in ("model", "expected invariant", "project", "family", "faults", "what it models"):
+        table.add_column(column)
+    for r in rows:
+        expected = r["expected"] or ("none (benign)" if r["benign"] else "none (correct)")
+        table.add_row(esc(r["model"]), esc(expected), esc(r["project"]), esc(r["family"]),
+                      esc(", ".join(r["faults"]) or "-"), esc(r["summary"]))
     console.print(table)
     return EXIT_OK
 

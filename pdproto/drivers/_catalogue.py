@@ -632,3 +632,26 @@ def run_corpus(directory: str | None = None, adapter: str | None = None) -> list
         if shared is not None:
             shared.close()
     return out
+
+
+def list_rows(models: Sequence[tuple[str, str | None, str]]) -> list[dict[str, Any]]:
+    """``pdproto check --list``'s rows: each of :func:`~pdproto.drivers.list_models`'s
+    ``(name, expected, summary)`` with the entry's contract fields (project,
+    family, fault kinds, links; empty where a module lacks them)."""
+    out = []
+    for name, expected, summary in models:
+        try:
+            module = importlib.import_module(f"pdproto.models.{name.replace('-', '_')}")
+        except Exception:
+            module = None
+        family = getattr(module, "FAMILY", "")
+        families = getattr(module, "FAMILIES", None)
+        out.append({
+            "model": name, "expected": expected, "summary": summary,
+            "project": getattr(module, "PROJECT", ""),
+            "family": ", ".join(families) if families else family,
+            "faults": list(getattr(module, "FAULTS", ())),
+            "links": list(getattr(module, "LINKS", ())),
+            "benign": bool(getattr(module, "BENIGN", False)),
+        })
+    return out
