@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from pdproto import UsageError
 from pdproto.importers import ENGINES, LOG_LINE_KEY, import_log
 from pdproto.importers._base import LogImporter, run_import
 from pdproto.importers._vllm import VllmImporter
@@ -275,7 +276,7 @@ class _Exploding(VllmImporter):
 def test_an_existing_output_is_never_left_half_written(tmp_path):
     out = tmp_path / "h.jsonl"
     out.write_text("precious\n")
-    with pytest.raises(OSError):
+    with pytest.raises(UsageError, match="disk gone"):
         run_import(_Exploding(), str(LOGS / "vllm-25562-lease-expired.log"), str(out))
     assert out.read_text() == "precious\n"
     assert os.listdir(tmp_path) == ["h.jsonl"]  # no temporary file left
