@@ -419,3 +419,12 @@ def test_the_docs_example_does_what_docs_importers_md_shows(tmp_path, cli):
     assert [(v["invariant"], v["line"], v["log_line"], v["witness_log_lines"]) for v in result["violations"]] == [
         ("early-source-free", 5, 12, [9])]
     assert len(result["not_judged"]) == 16 and "not judged (16)" in doc
+
+
+def test_the_summary_says_what_a_debug_log_would_add():
+    result, _, _ = imported("vllm", "vllm-25562-lease-expired.log")
+    assert not result.debug and result.more_at_debug == ("cancel", "fail", "finish", "transfer_write_done")
+    result, _, _ = imported("vllm", "vllm-clean-handoff.log")
+    assert result.debug and result.more_at_debug == ()
+    result, _, _ = imported("sglang", "sglang-12688-decode-transfer-failed.log")
+    assert result.more_at_debug == ()  # SGLang logs no more at DEBUG for these

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from .._errors import UsageError
 from ..importers import ENGINES, ImportResult, import_log
 from ._args import EXIT_OK, check_output_path, one_line, print_json
 
@@ -35,9 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    if args.engine not in ENGINES:
-        from .._errors import UsageError
-
+    if args.engine not in ENGINES:  # before -o is checked: the first problem is the one named
         raise UsageError("ENGINE", args.engine, f"one of {', '.join(ENGINES)}")
     check_output_path(args.out, "-o")
     result = import_log(args.engine, args.log, args.out)
@@ -55,9 +54,8 @@ def _summary(args: argparse.Namespace, result: ImportResult) -> None:
     write = sys.stderr.write
     write(f"pdproto import: {name}: {result.lines:,} lines, {known:,} known handoff lines, "
           f"{result.events:,} events ({result.engine}; formats of {result.source})\n")
-    write(f"pdproto import: observed kinds: {', '.join(result.observed) or '-'}"
-          + ("" if result.debug or result.engine == "sglang" else " (no DEBUG lines: log at DEBUG for more)")
-          + "\n")
+    more = f" (no DEBUG lines; at DEBUG level also: {', '.join(result.more_at_debug)})" if result.more_at_debug else ""
+    write(f"pdproto import: observed kinds: {', '.join(result.observed) or '-'}{more}\n")
     if result.unrecognised:
         write(f"pdproto import: warning: {result.unrecognised:,} line(s) look like handoff lines but match "
               f"no known {result.engine} format; first:\n")

@@ -79,7 +79,8 @@ class ImportResult:
     no event are counted too), ``unrecognised`` the handoff-looking lines that
     matched no format, ``examples`` the first of them.  ``observed`` is the
     set of event kinds the header declares; ``debug`` says whether the log
-    holds DEBUG lines (more kinds are observed then).
+    holds DEBUG lines (more kinds are observed then); ``more_at_debug`` the
+    kinds the same log at DEBUG level would add (empty when it is at DEBUG).
     """
 
     engine: str
@@ -91,6 +92,7 @@ class ImportResult:
     examples: tuple[Unrecognised, ...]
     observed: tuple[str, ...]
     debug: bool
+    more_at_debug: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -103,6 +105,7 @@ class ImportResult:
             "examples": [e.to_dict() for e in self.examples],
             "observed": list(self.observed),
             "debug": self.debug,
+            "more_at_debug": list(self.more_at_debug),
         }
 
 
@@ -303,6 +306,7 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         examples=tuple(importer.examples),
         observed=importer.observed(),
         debug=importer.debug,
+        more_at_debug=() if importer.debug else tuple(sorted(importer.DEBUG_KINDS)),
     )
 
 
