@@ -428,3 +428,11 @@ def test_the_summary_says_what_a_debug_log_would_add():
     assert result.debug and result.more_at_debug == ()
     result, _, _ = imported("sglang", "sglang-12688-decode-transfer-failed.log")
     assert result.more_at_debug == ()  # SGLang logs no more at DEBUG for these
+
+
+@pytest.mark.parametrize("name", ["vllm-lease-expiry-then-read", "vllm-clean-handoff"])
+def test_imported_reference_histories_are_current(tmp_path, name):
+    out = tmp_path / "h.jsonl"
+    import_log("vllm", str(LOGS / f"{name}.log"), str(out))
+    assert out.read_text() == (LOGS / f"{name}.imported.jsonl").read_text(), (
+        f"regenerate: pdproto import vllm tests/data/logs/{name}.log -o tests/data/logs/{name}.imported.jsonl")
