@@ -78,6 +78,9 @@ def explore(
     freeze_gc: bool = True,
     intern: bool = True,
     backend: Callable[[], Any] | None = None,
+    max_seconds: float | None = None,
+    workers: int | None = None,
+    ray: bool | str | None = None,
 ) -> ExploreResult:
     """Explore ``model`` breadth-first; return what was found.
 
@@ -102,19 +105,61 @@ def explore(
     the shortest trace of the tree; on a transition the monitor rejects, and
     at a quiet state, the backend also finishes the history (in-flight
     transfers land, everything readable is verified).
+
+    ``max_seconds`` stops the search once that much time has passed (like
+    ``max_states``: ``truncated``, ``stopped_by`` says which limit).
+
+    ``workers`` (an int >= 1) runs the search on that many worker processes,
+    each owning the states that hash to it (docs/scaling.md); ``ray`` runs it
+    on Ray actors instead, ``workers`` of them (default 2): ``True`` for a
+    local Ray instance, an address (``"ray://host:10001"``, ``"auto"``) for
+    a cluster.  A parallel search that runs to its end gives the serial
+    search's answers: the same counts, deadlocks, unmet sometimes and, for
+    each invariant, a counterexample of the same length; one that stops
+    early stops at the end of a level.  Neither takes ``backend`` nor
+    ``keep_graph``.
     """
     header: HistoryHeader = getattr(model, "header", None) or HistoryHeader()
     if keep_graph and fingerprint:
         raise UsageError("fingerprint with a state graph", True, "exact mode (a graph needs the states)")
     if max_states is not None and (type(max_states) is not int or max_states < 1):
         raise UsageError("max_states", max_states, "an integer >= 1")
+    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
+                                    or not max_seconds > 0):
+        raise UsageError("max_seconds", max_seconds, "a number of seconds > 0")
+    parallel = workers is not None or (ray is not None and ray is not False)
+    if workers is not None and (type(workers) is not int or workers < 1):
+        raise UsageError("workers", workers, "an integer >= 1")
+    if parallel and backend is not None:
+        raise UsageError("a parallel search with a data backend", "backend", "a serial search (no workers, no ray)")
+    if parallel and keep_graph:
+        raise UsageError("a parallel search with a state graph", "keep_graph", "a serial search (no workers, no ray)")
     template = None
     if monitor:
         template = monitor_factory() if monitor_factory is not None else Monitor.from_header(
             header, complete=True)
+    if parallel:
+        return _explore_parallel(
+            model, workers=workers, ray=ray, header=header, template=template, max_states=max_states,
+            max_seconds=max_seconds, symmetry=symmetry, fingerprint=fingerprint, progress=progress,
+            progress_interval=progress_interval, stop_on_first=stop_on_first, check_deadlock=check_deadlock,
+            intern=intern)
     return _Search(
-        model, header=header, template=template, max_states=max_states, symmetry=symmetry,
+        model, header=header, template=template, max_states=max_states, max_seconds=max_seconds,
+        symmetry=symmetry,
         fingerprint=fingerprint, progress=progress, progress_interval=progress_interval,
         keep_graph=keep_graph, graph_limit=graph_limit, stop_on_first=stop_on_first,
         check_deadlock=check_deadlock, freeze_gc=freeze_gc, intern=intern, backend=backend,
     ).run()
+
+
+def _explore_parallel(model: Any, *, workers: int | None, ray: bool | str | None, **kw: Any) -> ExploreResult:
+    """:func:`explore` on worker processes or Ray actors."""
+    from ._parallel import ProcessPool, explore_parallel
+
+    if ray is not None and ray is not False:
+        from ._ray import ray_pool_factory
+
+        return explore_parallel(model, pool_factory=ray_pool_factory(None if ray is True else ray),
+                                workers=workers if workers is not None else 2, **kw)
+    return explore_parallel(model, pool_factory=ProcessPool, workers=workers, **kw)

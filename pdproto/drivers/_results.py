@@ -86,7 +86,9 @@ class ExploreResult:
     ``sometimes`` property.  ``complete`` is false when ``max_states`` cut the
     search short or it stopped at its first counterexample (then unmet
     ``sometimes`` properties do not count); ``truncated`` says ``max_states``
-    was reached."""
+    was reached (or ``max_seconds``): ``stopped_by`` says what ended an
+    incomplete search: ``"max_states"``, ``"max_seconds"`` or
+    ``"counterexample"`` (None for a complete one)."""
 
     model: str
     states: int
@@ -106,6 +108,7 @@ class ExploreResult:
     collision_probability: float | None = None
     monitor_states: int = 0
     memory: Mapping[str, int] | None = attrs.field(default=None, eq=False)
+    stopped_by: str | None = None
     graph: Any = attrs.field(default=None, eq=False, repr=False)
     header: HistoryHeader | None = attrs.field(default=None, eq=False, repr=False)
 
@@ -143,6 +146,8 @@ class ExploreResult:
             "met_sometimes": list(self.met_sometimes),
             "complete": self.complete,
             "truncated": self.truncated,
+            "partial": not self.complete,
+            "stopped_by": self.stopped_by,
             "symmetry": self.symmetry,
             "fingerprint": self.fingerprint,
             "bytes_per_state": None if self.bytes_per_state is None else round(self.bytes_per_state, 1),

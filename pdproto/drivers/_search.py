@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from array import array
 from collections import deque
@@ -26,8 +27,14 @@ from ..spec._monitor import Monitor, Violation
 from ..protocol._model import Renaming
 from ._results import Counterexample, ExploreResult
 from ._traces import _build_graph, _counterexample, _path
-from ._visited import _BAD, _PAIR, _flat_type, _unpack, _Visited
+from ._visited import _BAD, _PAIR, _flat_type, _Visited
 
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+#: the frontier entry of a state that is not expanded (so that the entries
+#: after it keep their state indices)
+_SKIP = object()
 
 #: symmetry modes in which a state's search key is its flat stored form
 _CONCRETE = ("off", "none offered")
@@ -143,13 +150,16 @@ def _key_functions(hooks: tuple[str, Any, Any, Any], mons: _MonitorStates, scls:
     canon_flat: dict[type, bool] = {}
 
     def flat_key(state: Any, mid: int, intern: Callable | None = None) -> Hashable:
-        """The stored form of (state, mid): flat when the state's type allows,
-        then with its parts interned by ``intern`` when given."""
+        """The stored form of (state, mid): the state itself for monitor id 0,
+        else flat when the state's type allows; with its parts interned by
+        ``intern`` when given."""
         cls = type(state)
         ok = flat_types.get(cls)
         if ok is None:
             ok = flat_types[cls] = _flat_type(cls) and cls is scls
         if ok:
+            if mid == 0:
+                return state if intern is None else intern(state, 0)
             return tuple(state) + (mid, _PAIR) if intern is None else intern(tuple(state) + (mid, _PAIR))
         return state if mid == 0 else (_PAIR, state, mid)
 
@@ -186,6 +196,7 @@ class _Search:
         header: HistoryHeader,
         template: Monitor | None,
         max_states: int | None,
+        max_seconds: float | None = None,
         symmetry: bool,
         fingerprint: bool,
         progress: Callable[[dict[str, Any]], None] | None,
@@ -203,6 +214,9 @@ class _Search:
         self.stop_on_first, self.check_deadlock, self.freeze_gc = stop_on_first, check_deadlock, freeze_gc
         self.fingerprint, self.keep_graph, self.graph_limit = fingerprint, keep_graph, graph_limit
         self.limit = max_states if max_states is not None else -1
+        self.max_seconds = max_seconds
+        self.deadline = float("inf")
+        self.stopped_by: str | None = None
         self.invariants = dict(getattr(model, "invariants", None) or {})
         self.sometimes = dict(getattr(model, "sometimes", None) or {})
         self.met: dict[str, None] = {}
@@ -243,6 +257,8 @@ class _Search:
             gc.disable()
         self.t0 = time.perf_counter()
         self.next_report = self.t0 + self.progress_interval
+        if self.max_seconds is not None:
+            self.deadline = self.t0 + self.max_seconds
         try:
             if not self._seed():
                 self._loop()
@@ -276,6 +292,7 @@ class _Search:
                 return True
             if idx + 1 == self.limit:
                 self.truncated = self.stopped = True
+                self.stopped_by = "max_states"
                 return True
         return False
 
@@ -292,12 +309,19 @@ class _Search:
                 level_end = len(self.parents)
                 self.peak_frontier = max(self.peak_frontier, len(frontier))
             entry = frontier.popleft()
+            if entry is _SKIP:  # a state that is not expanded keeps its place (its index)
+                expanded += 1
+                continue
             pb = bfront.popleft() if bfront is not None else None
-            if type(entry) is tuple and entry and entry[-1] is _PAIR:
+            if type(entry) is not tuple or not entry:
+                state, mid = entry, 0  # a bare state (a named tuple, another type): monitor id 0
+            elif entry[-1] is _PAIR:
                 mid = entry[-2]
                 state = entry[:-2] if scls_is_tuple else tnew(scls, entry[:-2])
+            elif len(entry) == 3 and entry[0] is _PAIR:
+                state, mid = entry[1], entry[2]
             else:
-                state, mid = _unpack(entry, scls)
+                state, mid = entry, 0
             pidx = expanded
             expanded += 1
             acts = actions_of(state)
@@ -317,8 +341,10 @@ class _Search:
         fp_table, fp_mask = (fpset.table, fpset.mask) if fpset is not None else (None, 0)
         flat_key, product_key, ikey, fast_key = self.flat_key, self.product_key, self.ikey, self.sym_mode in _CONCRETE
         fast_flat, scls, stored_entry = fast_key and _flat_type(self.scls), self.scls, fast_key and fpset is None
-        step, check_state, checks = self.model.step, self._check_state, bool(self.invariants or self.unmet)
+        step, check_state, invariants, unmet = self.model.step, self._check_state, self.invariants, self.unmet
+        checks = bool(invariants or unmet)
         transitions = self.transitions
+        ticking = progress is not None or self.max_seconds is not None
         for pidx, state, mid, pb, acts in self._states():
             for ai, act in enumerate(acts):
                 nstate, events = step(state, act)
@@ -333,7 +359,8 @@ class _Search:
                 else:
                     nmid, bad = mid, ()
                 if fast_flat and type(nstate) is scls:
-                    key = nstate + (nmid, _PAIR)  # a plain tuple, also for a named tuple
+                    # monitor id 0: the state itself; else a plain flat tuple (also for a named tuple)
+                    key = nstate + (nmid, _PAIR) if nmid else nstate
                 else:
                     key = flat_key(nstate, nmid) if fast_key else product_key(nstate, nmid)
                 if bad:  # the transition is bad, not only the state (which can equal a clean one
@@ -353,8 +380,11 @@ class _Search:
                         self.edges.append((pidx, self.index_of[key], str(act)))  # type: ignore[index]
                     continue
                 else:
-                    if kkey and type(key) is tuple and key and key[-1] is _PAIR:
-                        key = kkey(key)
+                    if kkey:
+                        if type(key) is tuple and key and key[-1] is _PAIR:
+                            key = kkey(key)
+                        elif key is nstate and fast_flat and type(nstate) is scls:
+                            key = kkey(key, 0)
                     keys.add(key)  # type: ignore[union-attr]
                 nidx = len(parents)
                 try:
@@ -367,20 +397,27 @@ class _Search:
                 if (bad or pb is not None) and (stop := self._judge(nidx, bad, pb, events)) is not None:
                     if stop:
                         break
-                    continue  # a violating or corrupting state is not expanded
-                if checks and check_state(nstate, nidx):
-                    break
-                if stored_entry and type(key) is tuple and key[-1] is _PAIR:
-                    frontier.append(key)  # the stored key: fields already interned
+                    frontier.append(_SKIP)  # a violating or corrupting state is not expanded
+                    continue
+                if checks:
+                    if check_state(nstate, nidx):
+                        break
+                    checks = bool(invariants or unmet)
+                if stored_entry:
+                    frontier.append(key)  # the stored key (fields already interned) is a frontier entry
+                elif fast_flat and nmid == 0 and type(nstate) is scls:
+                    frontier.append(nstate if ikey is None else ikey(nstate, 0))
                 else:
                     frontier.append(flat_key(nstate, nmid, ikey))
                 if nidx + 1 == limit:
                     self.truncated = True
+                    self.stopped_by = "max_states"
                     break
             else:
-                if progress is not None and ((pidx + 1) & 255) == 0:
-                    self._tick(transitions)
-                continue
+                if not ticking or ((pidx + 1) & 255) or not self._tick(transitions):
+                    continue
+                self.truncated = True
+                self.stopped_by = "max_seconds"
             self.stopped = True
             break
         self.transitions, self.graph_ok = transitions, graph_ok
@@ -441,18 +478,26 @@ class _Search:
     def _check_state(self, state: Any, idx: int) -> bool:
         unmet = self.unmet
         if unmet:
-            for name in [n for n, p in unmet.items() if p(state)]:
-                del unmet[name]
-                self.met[name] = None
+            hits = None
+            for name, p in unmet.items():
+                if p(state):
+                    hits = [name] if hits is None else hits + [name]
+            if hits is not None:
+                for name in hits:
+                    del unmet[name]
+                    self.met[name] = None
         if self.invariants:
             for name, pred in self.invariants.items():
                 if not pred(state) and self._record("state-invariant", name, idx, f"state invariant {name!r} fails"):
                     return True
         return False
 
-    def _tick(self, transitions: int) -> None:
+    def _tick(self, transitions: int) -> bool:
+        """Report progress when it is time; True once ``max_seconds`` is over."""
         now = time.perf_counter()
-        if now >= self.next_report:
+        if now >= self.deadline:
+            return True
+        if self.progress is not None and now >= self.next_report:
             self.next_report = now + self.progress_interval
             self.progress({  # type: ignore[misc]
                 "states": len(self.parents),
@@ -461,7 +506,11 @@ class _Search:
                 "queue": len(self.frontier),
                 "seconds": now - self.t0,
                 "violations": len(self.pending),
+                "level": self.depth,
+                "frontier": len(self.frontier),
+                "memory": _rss(),
             })
+        return False
 
     # -- the result ----------------------------------------------------------
 
@@ -500,7 +549,17 @@ class _Search:
             complete=not self.stopped, truncated=self.truncated, symmetry=self.sym_mode,
             fingerprint=self.fingerprint, bytes_per_state=bps, collision_probability=coll,
             monitor_states=len(self.mons.keys), graph=graph, header=self.header, memory=memory,
+            stopped_by=(self.stopped_by or "counterexample") if self.stopped else None,
         )
+
+
+def _rss() -> int:
+    """Resident set size of this process in bytes (0 where unknown)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except OSError:  # pragma: no cover - not Linux
+        return 0
 
 
 def _run_backend(parent: Any, events: Any, finish: bool) -> tuple[Any, list]:

@@ -1,9 +1,10 @@
 """The visited set of a search and the stored forms of its states.
 
 A stored key is *flat* when the model's states are tuples or named tuples:
-the state's fields followed by the monitor state's id and ``_PAIR``, one
-tuple.  Other states are stored as ``(_PAIR, state, mid)``, or bare with
-monitor id 0.  In exact mode the keys are kept, their parts hash-consed
+the state itself with monitor id 0, else the state's fields followed by the
+monitor state's id and ``_PAIR``, one tuple (a model state never holds
+``_PAIR``, so the two forms never meet).  Other states are stored as
+``(_PAIR, state, mid)``, or bare with monitor id 0.  In exact mode the keys are kept, their parts hash-consed
 (:class:`_Interner`); in fingerprint mode only 64-bit hashes (:class:`_FPSet`).
 """
 
@@ -111,21 +112,36 @@ class _Interner:
     lookups) stops being interned: its table would cost more than it saves.
     """
 
-    __slots__ = ("tables", "calls", "subs")
+    __slots__ = ("tables", "calls", "subs", "saved", "active")
+
+    #: lookups before the interner drops the positions where interning never
+    #: gave another object (small ints, interned strings: already shared)
+    PROBE = 4096
 
     def __init__(self) -> None:
         self.tables: list[dict | None] = []
         self.calls = 0
         self.subs: dict[type, dict] = {}
+        self.saved: list[bool] = []  # position -> interning ever replaced an object (probe phase)
+        self.active: list[int] | None = None  # the positions still interned, once probed
 
     def key(self, flat: tuple, tail: int = 2) -> tuple:
+        """``flat`` with its fields interned: the last ``tail`` items (the
+        monitor id and tag of a flat key) are left alone.  A bare state
+        (``tail`` 0) keeps its type."""
+        active = self.active
+        if active is not None and not active:
+            return flat  # nothing this model builds is worth sharing
         tables = self.tables
         n = len(flat) - tail
         if len(tables) < n:
             tables.extend({} for _ in range(n - len(tables)))
+            self.saved.extend(False for _ in range(n - len(self.saved)))
+            self.active = active = None
         self.calls += 1
         out = list(flat)
-        for i in range(n):
+        saved = self.saved if active is None else None
+        for i in range(n) if active is None else active:
             d = tables[i]
             if d is None:
                 continue
@@ -133,14 +149,25 @@ class _Interner:
             r = d.get(v, _MISS)
             if r is not _MISS:
                 if type(r) is type(v):
+                    if saved is not None and r is not v:
+                        saved[i] = True
                     out[i] = r
                 continue
             if isinstance(v, tuple) and v:
                 v = self._sub(v)
                 out[i] = v
+                if saved is not None:
+                    saved[i] = True
             d[v] = v
             if len(d) > 65536 and 2 * len(d) > self.calls:
                 tables[i] = None
+        if saved is not None and self.calls >= self.PROBE:
+            self.active = [i for i in range(len(tables)) if saved[i] and tables[i] is not None]
+            for i in range(len(tables)):
+                if not saved[i]:
+                    tables[i] = None
+        if tail == 0 and type(flat) is not tuple:
+            return tuple.__new__(type(flat), out)
         return tuple(out)
 
     def _sub(self, v: tuple) -> tuple:
@@ -199,22 +226,14 @@ def _key_bytes(visited: set, interner: _Interner | None) -> int:
             for i in range(len(k) - 2):
                 if i not in active:
                     total += _deep_size(k[i], seen)
+        elif isinstance(k, tuple) and k and k[0] is not _BAD and k[0] is not _PAIR and _flat_type(type(k)):
+            for i in range(len(k)):  # a bare flat state (monitor id 0)
+                if i not in active:
+                    total += _deep_size(k[i], seen)
         elif type(k) is tuple:
             for x in k:
                 total += _deep_size(x, seen)
     return total
-
-
-def _unpack(entry: Any, cls: type) -> tuple[Any, int]:
-    """(state, monitor id) of a frontier entry: flat ``fields + (mid, _PAIR)``,
-    ``(_PAIR, state, mid)``, or a bare state (monitor id 0)."""
-    if type(entry) is tuple and entry:
-        if entry[-1] is _PAIR:
-            fields = entry[:-2]
-            return (fields if cls is tuple else tuple.__new__(cls, fields)), entry[-2]
-        if len(entry) == 3 and entry[0] is _PAIR:
-            return entry[1], entry[2]
-    return entry, 0
 
 
 class _Visited:

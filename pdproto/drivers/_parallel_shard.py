@@ -1,0 +1,309 @@
+"""One worker's share of a parallel search (:mod:`._parallel`): a shard.
+
+A product state belongs to the shard ``hash(part) % n``, where ``part`` is
+the model half of its search key (the state, or its canonical form under
+symmetry): every worker process hashes alike (forked workers inherit the
+hash seed, spawned ones and Ray actors run with ``PYTHONHASHSEED=0``, and
+the coordinator checks that they agree before the search), and the monitor
+half, an id local to each process, never enters the partition.
+
+A shard owns its share of the visited set (exact keys or fingerprints), the
+parent links of its states and its share of each level's frontier.  A state
+is named across shards by its *global id* ``local index * n + shard``.
+Per level, :meth:`Shard.expand` expands the frontier: successors the shard
+owns are added at once, the others go into one batch per owner (the model
+states, the owner's view of the monitor state as its key, the parent's
+global id, the action index, the violation if the transition broke a rule);
+:meth:`Shard.merge` adds the batches the other shards sent.  Batches are
+pickled bytes, so the coordinator (or Ray's object store) moves them without
+looking inside.
+
+Nothing here knows processes or Ray: :mod:`._parallel` and :mod:`._ray`
+drive shards; the parallel fuzzer can reuse the partition (:func:`owner`)
+and the batch format.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from array import array
+from typing import Any, Callable
+
+from ..spec._monitor import Monitor
+from ._search import _CONCRETE, _MonitorStates, _key_functions, _rss, _symmetry_hooks
+from ._visited import _BAD, _PAIR, _flat_type, _Visited
+
+#: the kinds of finding, in the order a shard reports them
+KINDS = ("violation", "state-invariant", "deadlock")
+
+
+def owner(part: Any, n: int) -> int:
+    """The shard (of ``n``) that owns states whose partition part is ``part``."""
+    return hash(part) % n
+
+
+class Shard:
+    """Shard ``wid`` of ``n``: its visited set, links, frontier and findings."""
+
+    def __init__(self, model: Any, template: Monitor | None, wid: int, n: int, *, symmetry: bool,
+                 fingerprint: bool, intern: bool, check_deadlock: bool) -> None:
+        self.model, self.template, self.wid, self.n = model, template, wid, n
+        self.check_deadlock = check_deadlock
+        self.invariants = dict(getattr(model, "invariants", None) or {})
+        self.unmet = dict(getattr(model, "sometimes", None) or {})
+        self.init_states = list(model.initial_states())
+        self.scls: type = type(self.init_states[0]) if self.init_states else tuple
+        self.mons = _MonitorStates(template)
+        hooks = _symmetry_hooks(model, symmetry)
+        self.sym_mode = hooks[0]
+        self.concrete = self.sym_mode in _CONCRETE
+        self.visited = _Visited(fingerprint, intern, not self.concrete)
+        self.flat_key, self.product_key = _key_functions(hooks, self.mons, self.scls)
+        self.fast = self.concrete and _flat_type(self.scls)
+        self.part = _part_function(hooks, self.concrete, self.mons.keys)
+        self.ikey = self.visited.interner.key if self.visited.interner is not None else None
+        self.parents = array("i")  # local index -> parent's global id (-1: initial); widened past 2**31
+        self.via = array("H")  # local index -> action index in the parent (initial index)
+        self.depths = array("H")  # local index -> level; widened past 65535
+        self.frontier: list = []  # this level's entries (as in the serial search)
+        self.fidx: list[int] = []  # their local indices
+        self.next: list = []
+        self.nidx: list[int] = []
+        self.level = 0
+        self.transitions = 0
+        self.found: dict[str, tuple] = {}  # invariant -> (depth, kind rank, gid, kind, message)
+        self.met: set[str] = set()
+
+    # -- the coordinator's calls -------------------------------------------
+
+    def probe(self) -> list[int]:
+        """Hashes that must agree across shards: a fixed string, the initial
+        states' parts."""
+        return [hash("pdproto partition probe")] + [hash(self.part(s, 0)) for s in self.init_states]
+
+    def seed(self) -> dict[str, Any]:
+        """Add the initial states this shard owns (level 0)."""
+        n, wid = self.n, self.wid
+        for i, state in enumerate(self.init_states):
+            if owner(self.part(state, 0), n) == wid:
+                self._add(state, 0, -1, i, None)
+        return self._swap(False)
+
+    def expand(self) -> tuple[dict[str, Any], list[bytes | None]]:
+        """Expand this level's frontier; return the stats and one pickled
+        batch per shard (None for none, and for this one)."""
+        n, wid, part, step, actions_of = self.n, self.wid, self.part, self.model.step, self.model.actions
+        mons = self.mons
+        template, memo, ev_ids, events_id, feed = mons.template, mons.memo, mons.ev_ids, mons.events_id, mons.feed
+        scls, tnew, add = self.scls, tuple.__new__, self._add
+        out: list[list] = [[] for _ in range(n)]
+        transitions = 0
+        for entry, lidx in zip(self.frontier, self.fidx):
+            state, mid = _unpack(entry, scls, tnew)
+            acts = actions_of(state)
+            pgid = lidx * n + wid
+            if not acts:
+                self._quiet(mid, pgid)
+                continue
+            for ai, act in enumerate(acts):
+                nstate, events = step(state, act)
+                transitions += 1
+                if events and template is not None:
+                    evs = events if type(events) is tuple else tuple(events)
+                    evid = ev_ids.get(evs)
+                    hit = memo.get(mk := mid | ((events_id(evs) if evid is None else evid) << 32))
+                    if hit is None:
+                        hit = feed(mid, evs, mk)
+                    nmid, bad = (hit, None) if type(hit) is int else (hit[0], hit[1][0])
+                else:
+                    nmid, bad = mid, None
+                dest = hash(part(nstate, nmid)) % n
+                if dest == wid:
+                    add(nstate, nmid, pgid, ai, bad)
+                else:
+                    out[dest].append((nstate, nmid, pgid, ai, bad))
+        self.transitions += transitions
+        batches = [None if not b else _pack(b, mons.keys) for b in out]
+        return self._stats(transitions), batches
+
+    def merge(self, batches: list[bytes | None]) -> dict[str, Any]:
+        """Add the successors the other shards sent; the next level becomes
+        the frontier."""
+        intern, add = self.mons.intern, self._add
+        for blob in batches:
+            if blob is None:
+                continue
+            mkeys, states, mrefs, pgids, ais, bads = pickle.loads(blob)
+            mids = [intern(k) for k in mkeys]
+            for j, nstate in enumerate(states):
+                bad = bads.get(j)
+                add(nstate, mids[mrefs[j]], pgids[j], ais[j],
+                    None if bad is None else _Found(bad[0], bad[1]))
+        return self._swap(True)
+
+    def links(self, gids: list[int]) -> list[tuple[int, int]]:
+        """(parent global id, action index) of each of these states (owned here)."""
+        n = self.n
+        return [(self.parents[g // n], self.via[g // n]) for g in gids]
+
+    def finish(self) -> dict[str, Any]:
+        """What the coordinator needs for the result: findings, sometimes met,
+        the monitor states seen, memory."""
+        states = len(self.parents)
+        memory: dict[str, int] = {
+            "links": self.parents.itemsize * states + self.via.itemsize * states + self.depths.itemsize * states}
+        self.visited.account(memory, states)
+        return {
+            "found": self.found, "met": sorted(self.met), "monitor_keys": list(self.mons.keys),
+            "memory": memory, "states": states, "rss": _rss(),
+        }
+
+    # -- inside ----------------------------------------------------------------
+
+    def _add(self, nstate: Any, nmid: int, pgid: int, ai: int, bad: Any) -> None:
+        """A successor (or initial state) owned here: add it when new."""
+        if self.fast and type(nstate) is self.scls:
+            key = nstate + (nmid, _PAIR) if nmid else nstate
+        else:
+            key = self.flat_key(nstate, nmid) if self.concrete else self.product_key(nstate, nmid)
+        if bad is not None:
+            key = (_BAD, key, bad.invariant)
+        visited = self.visited
+        if visited.fpset is not None:
+            if visited.add(key) is None:
+                return
+        else:
+            keys = visited.keys
+            if key in keys:  # type: ignore[operator]
+                return
+            kkey = visited.kinterner.key if visited.kinterner is not None else None
+            if kkey is not None and type(key) is tuple and key:
+                if key[-1] is _PAIR:
+                    key = kkey(key)
+                elif key is nstate and self.fast and type(nstate) is self.scls:
+                    key = kkey(key, 0)
+            keys.add(key)  # type: ignore[union-attr]
+        lidx = len(self.parents)
+        depth = self.level + 1 if pgid >= 0 else 0
+        self.parents = _append(self.parents, pgid, "q")
+        self.via = _append(self.via, ai, "l")
+        self.depths = _append(self.depths, depth, "l")
+        gid = lidx * self.n + self.wid
+        if bad is not None:
+            self._record("violation", bad.invariant, gid, depth, bad.message)
+            return  # a violating state is not expanded
+        self._check_state(nstate, gid, depth)
+        if visited.fpset is None and self.concrete:
+            self.next.append(key)  # the stored key (fields already interned) is a frontier entry
+        else:
+            self.next.append(self.flat_key(nstate, nmid, self.ikey))
+        self.nidx.append(lidx)
+
+    def _quiet(self, mid: int, gid: int) -> None:
+        if self.check_deadlock and self.template is not None:
+            ends = self.mons.monitor(mid).end_violations()
+            if ends:
+                self._record("deadlock", ends[0].invariant, gid, self.level, ends[0].message)
+
+    def _check_state(self, state: Any, gid: int, depth: int) -> None:
+        unmet = self.unmet
+        if unmet:
+            for name in [n for n, p in unmet.items() if p(state)]:
+                del unmet[name]
+                self.met.add(name)
+        for name, pred in self.invariants.items():
+            if not pred(state):
+                self._record("state-invariant", name, gid, depth, f"state invariant {name!r} fails")
+
+    def _record(self, kind: str, inv: str, gid: int, depth: int, message: str) -> None:
+        """Keep the shallowest finding of each invariant (ties: the kind order
+        of :data:`KINDS`, then the smaller global id)."""
+        new = (depth, KINDS.index(kind), gid, kind, message)
+        old = self.found.get(inv)
+        if old is None or new[:3] < old[:3]:
+            self.found[inv] = new
+
+    def _swap(self, deeper: bool) -> dict[str, Any]:
+        """The next level becomes the frontier; return the stats."""
+        self.frontier, self.fidx, self.next, self.nidx = self.next, self.nidx, [], []
+        self.level += deeper
+        return self._stats(0)
+
+    def _stats(self, transitions: int) -> dict[str, Any]:
+        return {
+            "states": len(self.parents), "transitions": self.transitions, "frontier": len(self.frontier),
+            "found": min((v[0] for v in self.found.values()), default=None), "rss": _rss(),
+        }
+
+
+class _Found:
+    """A violation as a batch carries it: invariant and message."""
+
+    __slots__ = ("invariant", "message")
+
+    def __init__(self, invariant: str, message: str) -> None:
+        self.invariant, self.message = invariant, message
+
+
+def _part_function(hooks: tuple[str, Any, Any, Any], concrete: bool, mkeys: list) -> Callable[[Any, int], Any]:
+    """``part(state, mid)``: the part of a state's search key that is the same
+    object in every process (the partition hashes it): the model half, or the
+    whole product key when the model's hook makes it (it holds the monitor's
+    key, not its process-local id)."""
+    mode, canonical_product, sym_hook, canonical = hooks
+    if concrete:
+        return lambda state, mid: state
+    if mode == "product":
+        return lambda state, mid: canonical_product(state, mkeys[mid])
+    if mode == "renaming":
+        return lambda state, mid: sym_hook(state)[0]
+    return lambda state, mid: canonical(state)
+
+
+def _unpack(entry: Any, scls: type, tnew: Callable) -> tuple[Any, int]:
+    """(state, monitor id) of a frontier entry (see the serial search)."""
+    if type(entry) is not tuple or not entry:
+        return entry, 0
+    if entry[-1] is _PAIR:
+        return (entry[:-2] if scls is tuple else tnew(scls, entry[:-2])), entry[-2]
+    if len(entry) == 3 and entry[0] is _PAIR:
+        return entry[1], entry[2]
+    return entry, 0
+
+
+def _pack(batch: list[tuple], mkeys: list[tuple]) -> bytes:
+    """One batch of successors for another shard, pickled: the monitor keys
+    used (each once), then columns: states, key index, parent gid, action
+    index, and the violations by position."""
+    refs: dict[int, int] = {}
+    table: list[tuple] = []
+    states, mrefs, pgids, ais = [], array("i"), array("q"), array("l")
+    bads: dict[int, tuple[str, str]] = {}
+    for j, (nstate, nmid, pgid, ai, bad) in enumerate(batch):
+        r = refs.get(nmid)
+        if r is None:
+            r = refs[nmid] = len(table)
+            table.append(mkeys[nmid])
+        states.append(nstate)
+        mrefs.append(r)
+        pgids.append(pgid)
+        ais.append(ai)
+        if bad is not None:
+            bads[j] = (bad.invariant, bad.message)
+    return pickle.dumps((table, states, mrefs, pgids, ais, bads), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _append(items: array, value: int, wider: str) -> array:
+    """``items`` with ``value`` appended, widened to type ``wider`` if needed."""
+    try:
+        items.append(value)
+    except OverflowError:
+        items = array(wider, items)
+        items.append(value)
+    return items
+
+
+def hash_seed_env() -> dict[str, str]:
+    """The environment a spawned worker needs to hash like its peers."""
+    return {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
