@@ -436,3 +436,19 @@ def test_imported_reference_histories_are_current(tmp_path, name):
     import_log("vllm", str(LOGS / f"{name}.log"), str(out))
     assert out.read_text() == (LOGS / f"{name}.imported.jsonl").read_text(), (
         f"regenerate: pdproto import vllm tests/data/logs/{name}.log -o tests/data/logs/{name}.imported.jsonl")
+
+
+def test_an_endless_line_is_cut_and_counted(tmp_path, monkeypatch):
+    import pdproto.importers._base as base
+
+    monkeypatch.setattr(base, "MAX_LOG_LINE", 64)
+    expiry = _vllm("Releasing expired KV blocks for request r1 which were retrieved by 0 remote worker(s) "
+                   "before lease expired.", "WARNING")
+    text = "x" * 1000 + "\n" + "carriage\rreturn stays in its line\n" + expiry
+    monkeypatch.setattr(base, "MAX_LOG_LINE", 1 << 20)
+    result, _, events = imported("vllm", text=text, tmp_path=tmp_path)
+    assert result.overlong == 0 and result.lines == 3 and events[0][LOG_LINE_KEY] == 3
+    monkeypatch.setattr(base, "MAX_LOG_LINE", 64)
+    result, _, events = imported("vllm", text=text, tmp_path=tmp_path)
+    assert result.overlong == 2 and result.lines == 3  # the long lines count once each
+    assert events == []  # the expiry line was longer than 64 characters too: its beginning has no id

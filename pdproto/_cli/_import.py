@@ -8,6 +8,7 @@ from typing import Any
 
 from .._errors import UsageError
 from ..importers import ENGINES, ImportResult, import_log
+from ..importers._base import MAX_LOG_LINE
 from ._args import EXIT_OK, check_output_path, one_line, print_json
 
 
@@ -56,6 +57,9 @@ def _summary(args: argparse.Namespace, result: ImportResult) -> None:
           f"{result.events:,} events ({result.engine}; formats of {result.source})\n")
     more = f" (no DEBUG lines; at DEBUG level also: {', '.join(result.more_at_debug)})" if result.more_at_debug else ""
     write(f"pdproto import: observed kinds: {', '.join(result.observed) or '-'}{more}\n")
+    if result.overlong:
+        write(f"pdproto import: warning: {result.overlong:,} line(s) longer than {MAX_LOG_LINE:,} characters: "
+              "only their beginning was read\n")
     if result.unrecognised:
         write(f"pdproto import: warning: {result.unrecognised:,} line(s) look like handoff lines but match "
               f"no known {result.engine} format; first:\n")

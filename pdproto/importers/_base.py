@@ -35,6 +35,7 @@ from ..spec._events import parse_event
 __all__ = [
     "LOG_LINE_KEY",
     "MAX_EXAMPLES",
+    "MAX_LOG_LINE",
     "MAX_TRACKED",
     "Unrecognised",
     "ImportResult",
@@ -52,6 +53,10 @@ MAX_EXAMPLES = 5
 #: to be matched, duplicate suppression across TP ranks); the oldest is
 #: forgotten first, so memory stays bounded on any log.
 MAX_TRACKED = 1 << 16
+#: The longest log line read whole, in characters; the rest of a longer line
+#: is skipped (its first MAX_LOG_LINE characters are matched), so that one
+#: endless line cannot exhaust memory.
+MAX_LOG_LINE = 1 << 20
 #: Characters of an unrecognised line kept in an example.
 _EXAMPLE_CHARS = 300
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -80,7 +85,9 @@ class ImportResult:
     matched no format, ``examples`` the first of them.  ``observed`` is the
     set of event kinds the header declares; ``debug`` says whether the log
     holds DEBUG lines (more kinds are observed then); ``more_at_debug`` the
-    kinds the same log at DEBUG level would add (empty when it is at DEBUG).
+    kinds the same log at DEBUG level would add (empty when it is at DEBUG);
+    ``overlong`` the lines longer than :data:`MAX_LOG_LINE` characters (only
+    their beginning was read).
     """
 
     engine: str
@@ -93,6 +100,7 @@ class ImportResult:
     observed: tuple[str, ...]
     debug: bool
     more_at_debug: tuple[str, ...] = ()
+    overlong: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +114,7 @@ class ImportResult:
             "observed": list(self.observed),
             "debug": self.debug,
             "more_at_debug": list(self.more_at_debug),
+            "overlong": self.overlong,
         }
 
 
@@ -185,6 +194,7 @@ class LogImporter:
         self.examples: list[Unrecognised] = []
         self.debug = False
         self.lines = 0
+        self.overlong = 0
         self._handlers = [(p.name, p.anchor, p.regex, getattr(self, p.handler)) for p in self.PATTERNS]
 
     def known(self, match: "re.Match[str]") -> list:
@@ -201,6 +211,23 @@ class LogImporter:
         with the fields each records."""
         kinds = self.observed() if kinds is None else tuple(kinds)
         return Observation(kinds, {k: self.RECORDS[k] for k in kinds if k in self.RECORDS})
+
+    def lines_of(self, fh: IO[str]) -> Iterator[str]:
+        """The lines of an open log, each cut at :data:`MAX_LOG_LINE`
+        characters (the rest of a longer line is read and dropped; counted in
+        :attr:`overlong`)."""
+        read = fh.readline
+        limit = MAX_LOG_LINE
+        while True:
+            line = read(limit)
+            if not line:
+                return
+            if len(line) == limit and line[-1] != "\n":
+                self.overlong += 1
+                rest = read(limit)
+                while rest and rest[-1] != "\n":
+                    rest = read(limit)
+            yield line
 
     def events(self, lines: Iterable[str]) -> Iterator[dict[str, Any]]:
         """The event objects of ``lines`` (a log, one line per item, line 1
@@ -254,9 +281,9 @@ class LogImporter:
 
 def _open_log(path: str) -> IO[str]:
     if path == "-":
-        return open(sys.stdin.fileno(), encoding="utf-8", errors="replace", closefd=False)
+        return open(sys.stdin.fileno(), encoding="utf-8", errors="replace", newline="\n", closefd=False)
     try:
-        return open(path, encoding="utf-8", errors="replace", newline="")
+        return open(path, encoding="utf-8", errors="replace", newline="\n")
     except FileNotFoundError:
         raise UsageError("LOG", path, "a readable log file (no such file)") from None
     except IsADirectoryError:
@@ -281,7 +308,7 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         count = 0
         write = writer.write
         try:
-            for obj in importer.events(fh):
+            for obj in importer.events(importer.lines_of(fh)):
                 write(parse_event(obj, features, False, observed))
                 count += 1
         except OSError as exc:  # reading the log (or writing the spool) failed midway
@@ -307,6 +334,7 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         observed=importer.observed(),
         debug=importer.debug,
         more_at_debug=() if importer.debug else tuple(sorted(importer.DEBUG_KINDS)),
+        overlong=importer.overlong,
     )
 
 
