@@ -317,7 +317,8 @@ def test_malformed_histories(tmp_path_factory, before, bad, header):
     ["fuzz", "--examples", "\u00b2"],
     ["fuzz", "--steps", "0"],
     ["fuzz", "--workers", "\u00b2:1"],
-    ["fuzz", "--workers", "1"],
+    ["fuzz", "--workers", "1:"],
+    ["fuzz", "--workers", "0"],
 ])
 def test_unicode_digits_and_bad_integers(capsys, argv):
     one_line(*run(capsys, *argv)[::2], argv[-2])
