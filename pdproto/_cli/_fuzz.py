@@ -41,7 +41,13 @@ def add_parser(sub: Any) -> None:
                    f"{ADAPTER_STEPS} with --adapter)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="make the run repeatable")
     p.add_argument("--requests", type=positive_int, metavar="N", help="number of requests")
-    p.add_argument("--workers", metavar="P:D", help="prefill and decode worker counts, e.g. 2:2")
+    p.add_argument("--workers", metavar="N|P:D", action="append",
+                   help="N: split the examples over N worker processes (distinct seeds derived from "
+                   "--seed, one example database, merged counts); P:D: the model's prefill and decode "
+                   "worker counts, e.g. 2:2 (give the flag twice for both)")
+    p.add_argument("--ray", nargs="?", const=True, default=False, metavar="ADDRESS",
+                   help="run the worker shares as Ray tasks: on a local Ray instance, or on the cluster "
+                   "at ADDRESS (--workers N tasks; default: the cluster's CPUs; needs pdproto[ray])")
     p.add_argument("--blocks", type=positive_int, metavar="N", help="block pool size of every worker")
     p.add_argument("--policy", "--mode", dest="policy", choices=POLICIES,
                    help="protocol family (--mode is the same flag)")
@@ -81,6 +87,27 @@ MODEL_ONLY = ("requests", "workers", "blocks", "policy", "faults", "coverage_exh
 
 
 
+def split_workers(values: list[str] | None) -> tuple[int | None, str | None]:
+    """``--workers`` given as N (processes) and/or P:D (the model's workers):
+    (N or None, P:D or None); each form at most once."""
+    processes: int | None = None
+    model: str | None = None
+    for text in values or ():
+        if ":" in text:
+            if model is not None:
+                raise UsageError("--workers", text, "P:D once (already given: " + model + ")")
+            model = text
+            continue
+        if processes is not None:
+            raise UsageError("--workers", text, f"N once (already given: {processes})")
+        try:
+            processes = parse_int(text, "--workers", minimum=1)
+        except UsageError:
+            raise UsageError("--workers", text, "N (worker processes, an integer >= 1) or P:D "
+                             "(prefill:decode workers, e.g. 2:2)") from None
+    return processes, model
+
+
 def parse_workers(text: str) -> tuple[int, int]:
     p, sep, d = text.partition(":")
     try:
@@ -98,7 +125,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     from ..drivers._loader import load_model
     from ..protocol._config import parse_faults
 
-    workers = parse_workers(args.workers) if args.workers else (None, None)
+    processes, pd = split_workers(args.workers)
+    workers = parse_workers(pd) if pd else (None, None)
     faults = parse_faults(args.faults) if args.faults is not None else None
     model, info = load_model(
         args.model, mode=args.policy, requests=args.requests, blocks=args.blocks, faults=faults,
@@ -112,6 +140,12 @@ def run(args: argparse.Namespace, console: Any) -> int:
         raise UsageError("--transport", args.transport, "--backend torch along with it")
     if args.transport not in (None, "copy") and args.transformer is not None:
         raise UsageError("--transport with --transformer", args.transport, "copy")
+    parallel = (processes or 1) > 1 or args.ray is not False
+    if parallel and args.backend == "torch" and (args.device != "cpu" or args.transport not in (None, "copy")
+                                                 or args.transformer is not None):
+        raise UsageError("--workers/--ray", processes or args.ray,
+                         "a serial run with --backend torch on cuda, a --transport other than copy, or "
+                         "--transformer (their state does not cross into worker processes)")
     if args.backend == "torch":
         if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
             raise UsageError("--device", args.device, "cpu or cuda")
@@ -122,12 +156,15 @@ def run(args: argparse.Namespace, console: Any) -> int:
         else:
             backend = torch_backend_factory(device=args.device, dtype=args.dtype, transport=args.transport)
     stats = FuzzStats()
-    with _progress(console, args, stats, info.name):
+    progress = _progress(console, args, stats, info.name) if not parallel else _status(
+        console, args, f"fuzzing {info.name} on {processes or 'the cluster CPUs as'} "
+        f"{'Ray tasks' if args.ray is not False else 'worker processes'}")
+    with progress:
         result = fuzz(
             model, examples=args.examples, steps=args.steps or 300, seed=args.seed, out=args.out,
             database=None if args.no_database else ".hypothesis/examples", backend=backend,
             coverage_states=args.coverage_exhaustive, name=info.name, expected=info.expected,
-            stats=stats, explain=args.explain,
+            stats=stats, explain=args.explain, workers=processes or 1, ray=args.ray,
         )
     return print_result(result, args.json, lambda: _report(console, result.to_dict(), result.failure))
 
@@ -152,6 +189,11 @@ def _report(console: Any, result: dict[str, Any], failure: Any) -> None:
     table.add_row("fault kinds", ", ".join(f"{k} {n}" for k, n in result["fault_kinds"].items()) or "-")
     phases = result.get("phase_seconds") or {}
     table.add_row("phase seconds", ", ".join(f"{k} {v}" for k, v in phases.items() if v) or "-")
+    if result.get("workers", 1) > 1:
+        runs = result.get("worker_runs") or []
+        table.add_row("workers", f"{result['workers']} (examples " + ", ".join(
+            str(r["examples"]) for r in runs) + "; counts and distinct states merged; cpu seconds "
+            f"{result.get('cpu_seconds')})")
     if result["seed"] is not None:
         table.add_row("seed", str(result["seed"]))
     console.print(table)
@@ -184,6 +226,7 @@ def run_adapter(args: argparse.Namespace, console: Any) -> int:
     given = [f"--{k.replace('_', '-')}" for k in MODEL_ONLY if getattr(args, k) is not None]
     given += ["--backend"] if args.backend != "none" else []
     given += ["--explain"] if args.explain else []
+    given += ["--ray"] if args.ray is not False else []
     if given:
         raise UsageError(given[0], getattr(args, given[0][2:].replace("-", "_"), True),
                          "no model flag with --adapter (it configures a model, not a real system)")

@@ -56,6 +56,10 @@ class HandoffFailure(AssertionError):
             f"{violation.message}\n{table}{where}"
         )
 
+    def __reduce__(self) -> Any:
+        # a parallel run's workers send their failures back pickled
+        return (type(self), (self.violation, self.trace, self.history, self.events, self.header))
+
 
 def pick_failure(exc: BaseException) -> HandoffFailure | None:
     """The failure to report from what a Hypothesis run raised: the
@@ -278,6 +282,8 @@ def fuzz(
     expected: str | None = None,
     stats: FuzzStats | None = None,
     explain: bool = False,
+    workers: int = 1,
+    ray: bool | str = False,
 ) -> FuzzResult:
     """Fuzz ``model`` with its Hypothesis state machine; return a :class:`FuzzResult`.
 
@@ -293,8 +299,18 @@ def fuzz(
     into (for a live progress line).  ``explain``: run Hypothesis's explain
     phase after shrinking (off by default: it took about 95% of the time of a
     run that found a bug, and the shrunk history is the same without it).
+    ``workers``: split the examples over that many worker processes;
+    ``ray``: over Ray tasks instead (True: a local Ray instance, or a
+    cluster's address); see :mod:`pdproto.drivers._parallel_fuzz`.
     Whatever Hypothesis prints is swallowed.
     """
+    if workers != 1 or ray is not False:
+        from ._parallel_fuzz import fuzz_parallel
+
+        return fuzz_parallel(model, workers=workers if workers != 1 or ray is False else None, ray=ray,
+                             examples=examples, steps=steps, seed=seed, out=out, database=database,
+                             backend=backend, coverage_states=coverage_states, name=name,
+                             expected=expected, stats=stats, explain=explain)
     from ._machine import run_machine
 
     out_path = os.fspath(out) if out is not None else None
@@ -322,6 +338,7 @@ def fuzz(
     counters["examples_per_second"] = round(stats.examples / seconds, 2) if seconds else 0.0
     counters["cpu_seconds"] = round(time.process_time() - c0, 3)
     counters["phase_seconds"] = {phase: round(phases.get(phase, 0.0), 3) for phase in PHASE_NAMES}
+    counters["workers"] = 1
     return FuzzResult(model=name, expected=expected, seed=seed, seconds=seconds, counters=counters,
                       failure=failure, stats=stats)
 

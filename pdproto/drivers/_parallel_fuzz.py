@@ -1,0 +1,268 @@
+"""The parallel fuzzer: one fuzz run's example budget split over worker
+processes (or Ray tasks, :mod:`._ray_fuzz`), merged into one
+:class:`~pdproto.drivers.FuzzResult` that reads like a serial run's.
+
+- **Budget.**  ``examples`` is split as evenly as it goes: worker ``i`` of
+  ``n`` runs ``examples // n`` examples, one more when ``i < examples % n``
+  (:func:`split_examples`); a worker with no example is not started.
+- **Seeds.**  Worker ``i`` fuzzes with :func:`worker_seed` ``(seed, i)``, a
+  digest of the user's seed and ``i``: distinct per worker and the same on
+  every run, so the same seed gives the same merged result (without an
+  example database, as for a serial run).  With no seed, one is drawn and
+  reported, so the run can be repeated.
+- **Database.**  Every worker opens the same example-database directory
+  under the same key (the model and its configuration): a failure one
+  worker saved is replayed first by every worker of the next run, serial
+  or parallel.
+- **Merge** (:func:`merge`).  Examples, steps, episodes and the action and
+  fault counts add up; distinct states are the union of the workers' sets;
+  the reported failure is the shortest one (ties: the lowest worker), and
+  ``invariants_found`` names, per invariant, the worker that found its
+  shortest failure.  Rates divide by the wall time of the whole run;
+  ``cpu_seconds`` and ``phase_seconds`` add up the workers'.
+
+A worker does not stop when another finds a failure (that would make the
+merged counts depend on timing); a parallel run that finds nothing takes as
+long as one that does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import random
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from .._errors import PdprotoError, UsageError
+from ..spec._history import write_history
+from ._fuzz import DEFAULT_DATABASE, PHASE_NAMES, FuzzResult, FuzzStats, HandoffFailure, reachable_states
+
+
+class FuzzWorkerError(PdprotoError):
+    """A worker of a parallel fuzz run failed with something other than a
+    violation: ``worker`` its number, ``detail`` its traceback."""
+
+    def __init__(self, worker: int, detail: str) -> None:
+        self.worker = worker
+        self.detail = detail
+        lines = detail.strip().splitlines()
+        super().__init__(f"fuzz worker {worker} failed: {lines[-1] if lines else '?'}")
+
+
+def split_examples(examples: int, workers: int) -> list[int]:
+    """The examples of each of ``workers`` shares of ``examples`` (they add
+    up to ``examples``; the first ``examples % workers`` get one more)."""
+    if workers < 1:
+        raise UsageError("workers", workers, "an integer >= 1")
+    base, extra = divmod(examples, workers)
+    return [base + (1 if i < extra else 0) for i in range(workers)]
+
+
+def worker_seed(seed: int, worker: int) -> int:
+    """Worker ``worker``'s seed: 32 bits of a SHA-256 digest of the run's
+    seed and the worker's number (distinct per worker, the same every run)."""
+    digest = hashlib.sha256(f"pdproto-fuzz:{seed}:{worker}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+@attrs.frozen
+class Share:
+    """What one worker runs: its number, examples and seed."""
+
+    worker: int
+    examples: int
+    seed: int
+
+
+def plan(examples: int, workers: int, seed: int) -> list[Share]:
+    """The shares of a run (workers with no example left out)."""
+    return [Share(i, n, worker_seed(seed, i)) for i, n in enumerate(split_examples(examples, workers)) if n]
+
+
+def portable(model: Any) -> Any:
+    """What to send to another interpreter for ``model``: ``("build",
+    class, config)`` for a :class:`~pdproto.HandoffModel` (or a subclass
+    that keeps its constructor), whose caches are keyed by object identity
+    and do not survive pickling; ``("model", model)`` otherwise."""
+    from ..protocol._reference import HandoffModel
+
+    if isinstance(model, HandoffModel) and type(model).__init__ is HandoffModel.__init__:
+        return ("build", type(model), model.config)
+    return ("model", model)
+
+
+def run_share(model: Any, share: Share, options: dict[str, Any]) -> FuzzResult:
+    """Fuzz ``model`` (or what :func:`portable` made of it) for one share:
+    what a worker process or Ray task runs."""
+    from ._fuzz import fuzz
+
+    if isinstance(model, tuple) and model and model[0] in ("build", "model"):
+        model = model[1](model[2]) if model[0] == "build" else model[1]
+    return fuzz(model, examples=share.examples, seed=share.seed, **options)
+
+
+# -- worker processes --------------------------------------------------------------
+
+
+def _child(conn: Any, model: Any, share: Share, options: dict[str, Any]) -> None:
+    try:
+        reply = (True, run_share(model, share, options))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        reply = (False, traceback.format_exc())
+    try:
+        conn.send(reply)
+    except Exception:  # noqa: BLE001 - e.g. a result that does not pickle
+        conn.send((False, traceback.format_exc()))
+    conn.close()
+
+
+def run_processes(model: Any, shares: Sequence[Share], options: dict[str, Any]) -> list[FuzzResult]:
+    """Run each share in a worker process of this machine (forked where the
+    platform can: the model is not pickled then) and return their results
+    in share order.  Raises :class:`FuzzWorkerError` for a worker that
+    failed; every worker is ended before this returns."""
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    procs, conns = [], []
+    sent = model if ctx.get_start_method() == "fork" else portable(model)
+    try:
+        for share in shares:
+            here, there = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(there, sent, share, options), daemon=True,
+                            name=f"pdproto-fuzz-{share.worker}")
+            p.start()
+            there.close()
+            procs.append(p)
+            conns.append(here)
+        replies = []
+        for share, p, conn in zip(shares, procs, conns):
+            try:  # receive before join: a large reply fills the pipe
+                ok, value = conn.recv()
+            except EOFError:
+                ok, value = False, f"worker process exited (code {p.join() or p.exitcode})"
+            if not ok:
+                raise FuzzWorkerError(share.worker, value)
+            replies.append(value)
+        return replies
+    finally:
+        for p in procs:
+            p.join(timeout=0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        for conn in conns:
+            conn.close()
+
+
+# -- the merge --------------------------------------------------------------------
+
+
+def merge(results: Sequence[FuzzResult], shares: Sequence[Share], *, workers: int, seed: int,
+          seconds: float, name: str, expected: str | None, reachable: int | None = None,
+          stats: FuzzStats | None = None, out: str | None = None) -> FuzzResult:
+    """One :class:`FuzzResult` from the workers' (see the module doc).
+    ``stats``: a :class:`FuzzStats` to merge into (else a new one); ``out``:
+    where the failure's history is (to be) written."""
+    merged = stats if stats is not None else FuzzStats()
+    merged.reachable = reachable
+    failed = []
+    for share, r in zip(shares, results):
+        s = r.stats
+        merged.examples += s.examples
+        merged.steps += s.steps
+        merged.teardown_steps += s.teardown_steps
+        merged.episodes += s.episodes
+        merged.states |= s.states
+        merged.actions.update(s.actions)
+        merged.faults.update(s.faults)
+        if r.failure is not None:
+            failed.append((len(r.failure.trace), share.worker, r))
+    merged.seconds = seconds
+    failure = None
+    if failed:
+        _, _, first = min(failed, key=lambda f: f[:2])
+        f = first.failure
+        failure = merged.failure = HandoffFailure(f.violation, f.trace, out, f.events, f.header)
+        merged.found_at = first.counters.get("found_at_example")
+    counters = merged.to_dict()
+    counters["seconds"] = round(seconds, 3)
+    counters["cpu_seconds"] = round(sum(r.counters.get("cpu_seconds", 0.0) for r in results), 3)
+    counters["phase_seconds"] = {
+        phase: round(sum(r.counters.get("phase_seconds", {}).get(phase, 0.0) for r in results), 3)
+        for phase in PHASE_NAMES}
+    counters["workers"] = workers
+    best: dict[str, dict[str, Any]] = {}
+    for steps, worker, r in sorted(failed, key=lambda f: f[:2]):
+        best.setdefault(r.failure.violation.invariant, {
+            "worker": worker, "steps": steps, "found_at_example": r.counters.get("found_at_example")})
+    counters["invariants_found"] = best
+    counters["worker_runs"] = [
+        {"worker": share.worker, "seed": share.seed, "examples": r.counters["examples"],
+         "steps": r.counters["steps"], "distinct_states": r.counters["distinct_states"],
+         "seconds": r.counters["seconds"],
+         "invariant": None if r.failure is None else r.failure.violation.invariant}
+        for share, r in zip(shares, results)]
+    return FuzzResult(model=name, expected=expected, seed=seed, seconds=seconds, counters=counters,
+                      failure=failure, stats=merged)
+
+
+def fuzz_parallel(
+    model: Any,
+    *,
+    workers: int | None = None,
+    ray: bool | str = False,
+    examples: int = 200,
+    steps: int = 300,
+    seed: int | None = None,
+    out: str | os.PathLike[str] | None = None,
+    database: str | None = DEFAULT_DATABASE,
+    backend: Callable[[Any], Any] | None = None,
+    coverage_states: int | None = None,
+    name: str | None = None,
+    expected: str | None = None,
+    stats: FuzzStats | None = None,
+    explain: bool = False,
+) -> FuzzResult:
+    """:func:`~pdproto.fuzz` with its budget split over ``workers`` worker
+    processes, or Ray tasks with ``ray`` (True: a local Ray instance, or the
+    address of a cluster; ``workers`` defaults to the cluster's CPUs then).
+    The arguments are :func:`~pdproto.fuzz`'s; ``stats`` is filled in at the
+    end (the workers count in their own processes)."""
+    out_path = os.fspath(out) if out is not None else None
+    if out_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(out_path))):
+        raise UsageError("out", out_path, "a file in an existing directory")
+    if workers is not None and workers < 1:
+        raise UsageError("workers", workers, "an integer >= 1")
+    name = name if name is not None else getattr(model, "name", type(model).__name__)
+    seed = seed if seed is not None else random.SystemRandom().getrandbits(32)
+    reachable = reachable_states(model, max_states=coverage_states) if coverage_states is not None else None
+    options = {"steps": steps, "out": None, "backend": backend, "name": name, "expected": expected,
+               "explain": explain,
+               # one directory for every worker, wherever it runs from
+               "database": None if database is None else os.path.abspath(database)}
+    t0 = time.perf_counter()
+    if ray is not False:
+        from ._ray_fuzz import run_ray
+
+        results, shares = run_ray(model, examples, workers, seed, options,
+                                  address=None if ray is True else str(ray))
+        workers = max(workers or 0, len(shares))
+    else:
+        workers = workers or 1
+        shares = plan(examples, workers, seed)
+        results = run_processes(model, shares, options)
+    seconds = time.perf_counter() - t0
+    result = merge(results, shares, workers=workers, seed=seed, seconds=seconds, name=name,
+                   expected=expected, reachable=reachable, stats=stats, out=out_path)
+    if result.failure is not None and out_path is not None:
+        write_history(out_path, result.failure.events, result.failure.header)
+    return result
+
+
+__all__ = ["fuzz_parallel", "FuzzWorkerError", "Share", "plan", "split_examples", "worker_seed",
+           "portable", "run_share", "run_processes", "merge"]

@@ -1,0 +1,62 @@
+"""The parallel fuzzer on Ray (``pdproto fuzz --ray [ADDRESS]``): each share
+of the budget (:mod:`._parallel_fuzz`) runs as one Ray task of one CPU.
+
+Ray is imported only here, and only when a run asks for it.  Without an
+address this joins the Ray instance the process already started, or the
+cluster ``RAY_ADDRESS`` names, or starts a local one (and shuts down what it
+started).  The model goes to the object store once, pickled by Ray (a
+:class:`~pdproto.HandoffModel` as its class and configuration, rebuilt in
+each task: :func:`~._parallel_fuzz.portable`); each task sends back its
+whole :class:`~pdproto.drivers.FuzzResult`, distinct states included.  The example database is a directory on each node: on a
+cluster, tasks on other machines share it only when it is on a shared file
+system.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._errors import MissingExtraError
+from ._fuzz import FuzzResult
+from ._parallel_fuzz import FuzzWorkerError, Share, plan, portable, run_share
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or :class:`~pdproto.MissingExtraError`."""
+    try:
+        import ray
+    except ImportError:
+        raise MissingExtraError("pdproto fuzz --ray", "ray", "ray") from None
+    return ray
+
+
+def run_ray(model: Any, examples: int, workers: int | None, seed: int, options: dict[str, Any], *,
+            address: str | None = None) -> tuple[list[FuzzResult], list[Share]]:
+    """Run the shares of ``examples`` (over ``workers`` tasks, default: the
+    cluster's CPUs) as Ray tasks; their results and the shares, in order."""
+    ray = import_ray()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        if workers is None:
+            workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        shares = plan(examples, workers, seed)
+        task = ray.remote(num_cpus=1, max_retries=0)(run_share)
+        model_ref = ray.put(portable(model))
+        refs = [task.remote(model_ref, share, options) for share in shares]
+        results = []
+        for share, ref in zip(shares, refs):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                for other in refs:
+                    ray.cancel(other, force=True)
+                raise FuzzWorkerError(share.worker, str(exc)) from None
+        return results, shares
+    finally:
+        if started:
+            ray.shutdown()
+
+
+__all__ = ["run_ray", "import_ray"]
