@@ -452,3 +452,12 @@ def test_an_endless_line_is_cut_and_counted(tmp_path, monkeypatch):
     result, _, events = imported("vllm", text=text, tmp_path=tmp_path)
     assert result.overlong == 2 and result.lines == 3  # the long lines count once each
     assert events == []  # the expiry line was longer than 64 characters too: its beginning has no id
+
+
+def test_vllm_a_failed_read_reported_finished_writes_nothing(tmp_path):
+    # vLLM reports a failed READ in finished_recving too (and its blocks as invalid): no write landed
+    text = (_vllm("NIXL transfer failure: transfer_failed | Context: {'request_id': 'd1'}", "ERROR")
+            + _vllm("Finished recving KV transfer for request d1")
+            + _vllm(FINISHED.format(r="d1", s="FINISHED_ERROR", p=D_PARAMS)))
+    _, _, events = imported("vllm", text=text, tmp_path=tmp_path)
+    assert [(e["ev"], e[LOG_LINE_KEY]) for e in events] == [("transfer_failed", 1), ("fail", 3), ("free", 3)]

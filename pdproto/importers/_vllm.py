@@ -13,7 +13,7 @@ the same.
 | ``NIXLConnector request_finished(R), request_status=S, kv_transfer_params=P`` (DEBUG, ``nixl/pull_scheduler.py``) | P (``do_remote_decode`` in P) | S finished: none (P's part is over, its blocks held for D under a lease); S aborted or errored: ``cancel`` / ``fail`` and ``free`` (R on P0, freed at once) |
 | same | D | S stopped or length: ``finish`` and ``free`` (R on D0); aborted / errored: ``cancel`` / ``fail``, and ``free`` when R's KV had arrived (else vLLM holds the blocks until the READ ends, vllm#32255: see ``Finished recving``) |
 | ``Finished sending KV transfer for request R`` (DEBUG, ``v1/core/sched/scheduler.py``) | P | ``transfer_read_done`` (D said it read, or that it never will) and ``free`` (R on P0); nothing after a lease expiry of R (already freed) |
-| ``Finished recving KV transfer for request R`` (DEBUG, same) | D | ``transfer_write_done`` (R's READ landed in D); and ``free`` (R on D0) when R was already cancelled |
+| ``Finished recving KV transfer for request R`` (DEBUG, same) | D | ``transfer_write_done`` (R's READ landed in D), none after a transfer failure of R (vLLM reports a failed READ as finished too); and ``free`` (R on D0) when R was already cancelled |
 | ``Releasing expired KV blocks for request R which were retrieved by N remote worker(s) before lease expired.`` (WARNING, ``nixl/base_worker.py``) | P | ``free`` (R on P0): the lease ran out, the source blocks go back |
 | ``Potentially invalid KV blocks for unrecognized request R were retrieved by a decode worker. They may have expired.`` (ERROR, ``nixl/pull_worker.py``) | P | ``transfer_read_done`` (R): a READ of R's source ended now |
 | ``NIXL transfer failure: TYPE | Context: {...'request_id': 'R'...}`` (ERROR, ``nixl/base_worker.py``) | D | TYPE ``transfer_failed``, ``transfer_exception``, ``transfer_setup_failed``, ``handshake_failed``, ``handshake_setup_failed``: ``transfer_failed`` (R); other types (a failed notification or handle release): none |
@@ -116,6 +116,7 @@ class VllmImporter(LogImporter):
         self._expired = Bounded()  # P requests whose lease ran out: their free is written
         self._cancelled = Bounded()  # D requests ended while loading: a late finished_recving frees them
         self._received = Bounded()  # D requests whose KV arrived and that have not ended
+        self._failed = Bounded()  # D requests whose READ failed: their finished_recving wrote nothing
         self._once = Bounded()  # (line kind, request) of worker-side lines: one per TP rank
 
     def _request_finished(self, match: "re.Match[str]") -> list:
@@ -147,7 +148,11 @@ class VllmImporter(LogImporter):
 
     def _finished_recving(self, match: "re.Match[str]") -> list:
         request = match.group(1)
-        out: list[dict[str, Any]] = [{"ev": "transfer_write_done", "request": request, "dst": D}]
+        # a failed READ is reported as finished too (with its blocks invalid):
+        # its failure line came first, and nothing was written
+        failed = self._failed.discard(request)
+        out: list[dict[str, Any]] = [] if failed else [
+            {"ev": "transfer_write_done", "request": request, "dst": D}]
         if self._cancelled.discard(request):
             out.append({"ev": "free", "worker": D, "request": request})
         else:
@@ -177,4 +182,5 @@ class VllmImporter(LogImporter):
         request = (found.group(1) or found.group(2)) if found else None
         if not request or not self._once.add(("failed", request)):
             return []
+        self._failed.add(request)
         return [{"ev": "transfer_failed", "request": request, "dst": D, "reason": failure}]
