@@ -1,0 +1,245 @@
+"""The nixl transport: every example history and every mutant's
+counterexample replays to the same verdicts through NIXL (UCX, host memory)
+as through copy_, and the faults go through the library: an abort releases
+an active handle, a failed transfer is an error the library reports, a
+restart removes and re-adds the agent.  Skipped only without NIXL."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+try:
+    import nixl_cu12._api  # noqa: F401
+except ImportError:
+    pytest.importorskip("nixl._api")
+
+from conftest import EXAMPLES, ROOT  # noqa: E402
+
+from pdproto import (  # noqa: E402
+    Commit,
+    Decode,
+    Finish,
+    Free,
+    HistoryHeader,
+    PrefillDone,
+    PrefillStart,
+    Reserve,
+    Restart,
+    Submit,
+    TransferReadDone,
+    TransferStart,
+    TransferWriteDone,
+    WorkerSpec,
+    write_history,
+)
+from pdproto._cli import main  # noqa: E402
+from pdproto.backends._nixl import NixlTransport  # noqa: E402
+from pdproto.backends._transport import BlockMove, Transfer  # noqa: E402
+from pdproto.drivers._replay import replay, torch_backend_factory  # noqa: E402
+
+EXAMPLE_FILES = sorted(glob.glob(os.path.join(EXAMPLES, "*.jsonl")))
+MUTANTS = sorted(
+    os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "models", "*.py"))
+    if not os.path.basename(p).startswith("_") and "EXPECTED = None" not in open(p, encoding="utf-8").read()
+)
+
+
+@pytest.fixture(scope="module")
+def nixl():
+    """One transport (two agents, P0 and D0, made on first use) for the module."""
+    t = NixlTransport()
+    yield t
+    t.close()
+
+
+def verdicts(result):
+    return [(v.invariant, v.line, v.message) for v in result.violations]
+
+
+def delta(t, before, *keys):
+    now = t.statistics()
+    return {k: getattr(now, k) - getattr(before, k) for k in keys}
+
+
+# -- same verdicts ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=os.path.basename)
+def test_example_has_the_same_verdicts_under_nixl(path, nixl):
+    before = nixl.statistics()
+    plain, real = replay(path), replay(path, transport=nixl)
+    assert verdicts(real) == verdicts(plain)
+    assert real.backend["transport"] == "nixl" and real.backend["bytes_copied"] == plain.backend["bytes_copied"]
+    d = delta(nixl, before, "transfers", "aborts", "notifications_missing")
+    assert d["notifications_missing"] == 0
+    if plain.backend["bytes_copied"]:  # the bytes went through the library (aborted ones too)
+        assert d["transfers"] + d["aborts"] > 0
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_counterexample_has_the_same_verdicts_under_nixl(name, nixl, tmp_path):
+    from pdproto.drivers._explore import explore, trace_header
+    from pdproto.drivers._loader import load_model
+
+    model, _info = load_model(os.path.join(ROOT, "models", name + ".py"))
+    res = explore(model, stop_on_first=True)
+    found = list(res.failures)
+    if not found:
+        pytest.skip(f"{name}: no counterexample history (its finding is not a trace)")
+    path = str(tmp_path / f"{name}.jsonl")
+    write_history(path, found[0].events, trace_header(res.header, found[0]))
+    assert verdicts(replay(path, transport=nixl)) == verdicts(replay(path))
+
+
+# -- the library's signals -------------------------------------------------------------------
+
+
+def _pools(rows=64, width=256):
+    src = torch.randint(0, 255, (rows, 1, 1, 1, 1, width), dtype=torch.uint8)
+    return src, torch.zeros_like(src)
+
+
+@pytest.mark.parametrize("pull", [True, False], ids=["pull", "push"])
+def test_pull_is_a_read_by_decode_and_push_a_write_by_prefill(nixl, pull):
+    src, dst = _pools()
+    x = Transfer("x-dir", "P0", "D0", pull, [BlockMove(dst, [5, 1, 2], src, [0, 9, 10], (0, 1), (0, 1))])
+    handle = nixl.start(x)
+    assert (handle["init"], handle["peer"]) == (("D0", "P0") if pull else ("P0", "D0"))
+    assert nixl.wait(handle) == "DONE"
+    assert nixl.notified(handle, 5.0)  # the peer (P on a pull, D on a push) is told by the library
+    nixl.finish(handle)
+    assert torch.equal(dst[[5, 1, 2]], src[[0, 9, 10]])
+    assert not dst[0].any()
+
+
+def test_abort_releases_an_active_handle_and_the_bytes_land_unnotified():
+    """Finding (docs/replay.md): release_xfer_handle on a transfer still in
+    progress returns without error, the bytes land all the same, and the
+    peer never gets the notification."""
+    t = NixlTransport()
+    try:
+        src, dst = _pools(rows=1024, width=8192)  # 8 MiB in 512 descriptors, over a fresh connection
+        ids = list(range(0, 1024, 2))
+        t.run(Transfer("x-abort", "Pa", "Da", True, [BlockMove(dst, ids, src, ids, (0, 1), (0, 1))]), aborted=True)
+        s = t.statistics()
+        assert s.aborts == 1 and s.aborts_landed == 1
+        assert torch.equal(dst[ids], src[ids])
+        if s.aborts_active:  # the handle was released while in progress: no notification ever comes
+            assert s.aborts_notified == 0
+    finally:
+        t.close()
+
+
+def test_aborted_history_transfer_lands_as_the_copy_model_says(nixl):
+    """early-target-reuse: D aborts the transfer, frees its target and hands
+    the blocks on; the write, released while in flight, lands at the end
+    over the next owner's KV (kv-corruption under both transports)."""
+    path = os.path.join(EXAMPLES, "early-target-reuse.jsonl")
+    before = nixl.statistics()
+    assert verdicts(replay(path, transport=nixl)) == verdicts(replay(path))
+    d = delta(nixl, before, "aborts", "aborts_landed")
+    assert d == {"aborts": 1, "aborts_landed": 1}
+
+
+def test_failed_transfer_is_an_error_the_library_reports(nixl):
+    path = os.path.join(EXAMPLES, "retry-after-failure.jsonl")
+    before = nixl.statistics()
+    assert verdicts(replay(path, transport=nixl)) == verdicts(replay(path))
+    assert delta(nixl, before, "failures") == {"failures": 1}
+    assert "NIXL_ERR" in nixl.statistics().errors[-1]
+
+
+def test_restart_removes_and_readds_the_agent(nixl):
+    src, dst = _pools()
+    x = Transfer("x-restart", "P0", "D0", True, [BlockMove(dst, [3], src, [4], (0, 1), (0, 1))])
+    agent, handle, _init, _peer = nixl._handle(x, b"stale")
+    nixl.restart("P0")
+    # a handle made before the restart names the removed agent: the library refuses to post it
+    with pytest.raises(Exception, match="NIXL_ERR"):
+        agent.transfer(handle, b"stale")
+    nixl.run(x)  # the re-added agent serves new transfers
+    assert torch.equal(dst[3], src[4])
+
+
+def test_restart_history_has_the_same_verdicts(nixl, tmp_path):
+    header = HistoryHeader(policy="pull", workers={"P0": WorkerSpec("prefill", 8), "D0": WorkerSpec("decode", 8)})
+    events = [
+        Submit("r1", 0, prompt_len=6, max_new_tokens=3),
+        PrefillStart("r1", 0, "P0", (0, 1)),
+        PrefillDone("r1", 0, "P0", first_token=101, processed_len=6),
+        Reserve("r1", 0, "t1", "D0", (0, 1)),
+        TransferStart("x1", "t1", "r1", 0, "P0", (0, 1), "D0", (0, 1)),
+        Restart("P0", 1),
+        TransferReadDone("x1"),
+        TransferWriteDone("x1"),
+        Commit("r1", 0, "t1", "D0"),
+        Decode("r1", 0, "D0", 6, 101, 102, (0, 1)),
+        Finish("r1", 0),
+        Free("D0", (0, 1), "r1", 0),
+    ]
+    path = str(tmp_path / "restart.jsonl")
+    write_history(path, events, header)
+    before = nixl.statistics()
+    plain, real = replay(path), replay(path, transport=nixl)
+    assert verdicts(real) == verdicts(plain)
+    assert any(v.invariant == "kv-corruption" for v in plain.violations)  # the read came after the restart
+    assert delta(nixl, before, "restarts", "transfers") == {"restarts": 1, "transfers": 1}
+
+
+def test_a_deregistered_source_is_still_read(nixl):
+    """Finding (docs/replay.md): with UCX on host memory, a peer that loaded
+    the metadata before the source was deregistered still reads it (DONE,
+    the bytes intact): deregistration fences nothing; the protocol must keep
+    the source until the read is done."""
+    p, d = nixl.agent("P0"), nixl.agent("D0")
+    src, dst = _pools(rows=4)
+    reg = p.register_memory(p.get_reg_descs([(src.data_ptr(), src.numel(), 0, "")], "DRAM"))
+    dreg = d.register_memory(d.get_reg_descs([(dst.data_ptr(), dst.numel(), 0, "")], "DRAM"))
+    d.add_remote_agent(p.get_agent_metadata())
+    p.deregister_memory(reg)
+    h = d.initialize_xfer("READ", d.get_xfer_descs([(dst.data_ptr(), dst.numel(), 0)], "DRAM"),
+                          d.get_xfer_descs([(src.data_ptr(), src.numel(), 0)], "DRAM"), nixl._prefix + "P0")
+    state = d.transfer(h)
+    while state == "PROC":
+        state = d.check_xfer_state(h)
+    d.release_xfer_handle(h)
+    d.deregister_memory(dreg)
+    nixl._loaded.pop(("D0", "P0"), None)
+    assert state == "DONE" and torch.equal(dst, src)
+
+
+# -- the CLI and the factories ---------------------------------------------------------------
+
+
+def test_replay_cli_transport_nixl(capsys):
+    import json
+
+    path = os.path.join(EXAMPLES, "clean-pull.jsonl")
+    assert main(["replay", "--json", "--transport", "nixl", path]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["backend"]["transport"] == "nixl"
+    ts = out["backend"]["transport_statistics"]
+    assert ts["transfers"] > 0 and ts["notifications"] == ts["transfers"]
+
+
+def test_backend_factory_shares_one_transport():
+    make = torch_backend_factory(transport="nixl")
+    a, b = make(HistoryHeader()), make(HistoryHeader())
+    assert a.transport is b.transport and a.transport.name == "nixl"
+    assert a.copy().transport is a.transport
+    a.transport.close()
+
+
+def test_a_lost_peer_refuses_a_prepared_handle(nixl):
+    src, dst = _pools(rows=2)
+    x = Transfer("x-lost", "P0", "D0", True, [BlockMove(dst, [0], src, [1], (0, 1), (0, 1))])
+    agent, handle, _i, _p = nixl._handle(x, b"lost")
+    nixl.lose("P0")
+    with pytest.raises(Exception, match="NIXL_ERR"):
+        agent.transfer(handle, b"lost")
+    nixl.run(x)  # reloaded on the next transfer
+    assert torch.equal(dst[0], src[1])
