@@ -853,6 +853,11 @@ def run_machine(model: Any, *, examples: int, steps: int, seed: int | None, out:
         _example(setup, data, steps)
 
     test = hseed(seed)(fuzz_model) if seed is not None else fuzz_model
+    if seed is not None and db is not None:
+        # Hypothesis's @seed turns the database off; a seeded run (each worker
+        # of a parallel one) still replays and saves failures (issue 16)
+        test._hypothesis_internal_use_settings = settings(  # type: ignore[attr-defined]
+            test._hypothesis_internal_use_settings, database=namespaced_database(db, identity))  # type: ignore[attr-defined]
     with phase_statistics() as seconds:
         try:
             test()
