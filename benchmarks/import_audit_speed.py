@@ -52,7 +52,7 @@ def handoff_lines(i: int, t: str, fault: str) -> list[str]:
     d_params = (f"{{'do_remote_prefill': True, 'do_remote_decode': False, 'remote_block_ids': [[{i % 4000}, "
                 f"{i % 4000 + 1}]], 'remote_engine_id': 'e5a1', 'remote_request_id': '{p}', "
                 "'remote_host': '10.0.0.1', 'remote_port': 5600, 'tp_size': 1}")
-    fin = "NIXLConnector request_finished({r}), request_status=RequestStatus.{s}, kv_transfer_params={k}"
+    fin = "NIXLConnector request_finished({r}), request_status={s}, kv_transfer_params={k}"
     out = [
         f"{API} INFO {t} [v1/engine/async_llm.py:578] Added request {p}.",
         f"{P_PREFIX} DEBUG {t} [nixl/pull_scheduler.py:52] NIXLConnector get_num_new_matched_tokens: "

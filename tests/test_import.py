@@ -461,3 +461,15 @@ def test_vllm_a_failed_read_reported_finished_writes_nothing(tmp_path):
             + _vllm(FINISHED.format(r="d1", s="FINISHED_ERROR", p=D_PARAMS)))
     _, _, events = imported("vllm", text=text, tmp_path=tmp_path)
     assert [(e["ev"], e[LOG_LINE_KEY]) for e in events] == [("transfer_failed", 1), ("fail", 3), ("free", 3)]
+
+
+def test_vllm_status_spellings_and_an_unknown_status_is_warned_not_guessed(tmp_path):
+    text = (_vllm(FINISHED.format(r="d1", s="FINISHED_STOPPED", p=D_PARAMS).replace("RequestStatus.", ""))
+            + _vllm(FINISHED.format(r="d2", s="FINISHED_REPETITION", p=D_PARAMS))
+            + _vllm(FINISHED.format(r="d3", s="FINISHED_SOMETHING_NEW", p=D_PARAMS).replace("RequestStatus.", ""))
+            + _vllm(FINISHED.format(r="d4", s="7", p=D_PARAMS).replace("RequestStatus.", "")))
+    result, _, events = imported("vllm", text=text, tmp_path=tmp_path)
+    assert [(e["ev"], e["request"], e.get("reason")) for e in events if e["ev"] != "free"] == [
+        ("finish", "d1", "stop"), ("finish", "d2", "repetition")]
+    assert result.unrecognised == 2 and [e.line for e in result.examples] == [3, 4]
+    assert result.recognised["request_finished"] == 2

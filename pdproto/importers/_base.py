@@ -121,7 +121,9 @@ class ImportResult:
 #: A handler turns a match into event objects (dicts, ``"ev"`` first, without
 #: the log line, which is added for it).  It may return an empty list: the
 #: line is known and means no event (a duplicate of another TP rank's line, a
-#: line that only confirms an earlier one).
+#: line that only confirms an earlier one); or None: the line has the format
+#: but a value the importer cannot read (a status it does not know), and is
+#: counted as unrecognised, never guessed at.
 Handler = Callable[["re.Match[str]"], list]
 
 
@@ -252,17 +254,24 @@ class LogImporter:
                 if anchor in line:
                     match = regex.search(line)
                     if match is not None:
+                        out = handle(match)
+                        if out is None:  # the format, but a value the importer cannot read
+                            self._unrecognised(lineno, line)
+                            break
                         self.counts[name] += 1
-                        for obj in handle(match):
+                        for obj in out:
                             obj[LOG_LINE_KEY] = lineno
                             yield obj
                         break
             else:
                 if all(p.search(line) for p in handoff):
-                    self.unrecognised += 1
-                    if len(self.examples) < MAX_EXAMPLES:
-                        self.examples.append(Unrecognised(lineno, line.rstrip("\r\n")[:_EXAMPLE_CHARS]))
+                    self._unrecognised(lineno, line)
         self.lines = lineno
+
+    def _unrecognised(self, lineno: int, line: str) -> None:
+        self.unrecognised += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(Unrecognised(lineno, line.rstrip("\r\n")[:_EXAMPLE_CHARS]))
 
     def header(self, observation: Observation | None = None) -> HistoryHeader:
         """The header of the imported history: partial (feature

@@ -46,6 +46,7 @@ _FINISHED = {
     "FINISHED_ABORTED": ("cancel", "abort"),
     "FINISHED_ERROR": ("fail", "error"),
     "FINISHED_IGNORED": ("fail", "ignored"),
+    "FINISHED_REPETITION": ("finish", "repetition"),
 }
 #: NIXL failure types after which no byte of that request's READ can still move.
 _FAILED_TYPES = frozenset(
@@ -55,7 +56,8 @@ _REQUEST_ID = re.compile(r"""['"]request_id['"]:\s*(?:'([^']*)'|"([^"]*)"|None)"
 
 
 def _status(text: str) -> str:
-    return text.rsplit(".", 1)[-1]  # RequestStatus.FINISHED_STOPPED -> FINISHED_STOPPED
+    # 0.32 prints the name (RequestStatus.__str__); older versions RequestStatus.NAME
+    return text.rstrip(",").rsplit(".", 1)[-1]
 
 
 class VllmImporter(LogImporter):
@@ -124,7 +126,9 @@ class VllmImporter(LogImporter):
         if params.strip() in ("None", "{}", ""):
             return []  # not a P/D request
         p_side = "'do_remote_decode': True" in params or '"do_remote_decode": true' in params
-        kind, reason = _FINISHED.get(status, ("fail", status.lower()))
+        if status not in _FINISHED:
+            return None  # a status this importer does not know (a number, a new name): warned
+        kind, reason = _FINISHED[status]
         if p_side:
             if kind == "finish":
                 return []  # P's part is over; its blocks are held for D's READ (a lease)
