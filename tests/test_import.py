@@ -473,3 +473,18 @@ def test_vllm_status_spellings_and_an_unknown_status_is_warned_not_guessed(tmp_p
         ("finish", "d1", "stop"), ("finish", "d2", "repetition")]
     assert result.unrecognised == 2 and [e.line for e in result.examples] == [3, 4]
     assert result.recognised["request_finished"] == 2
+
+
+def test_vllm_json_log_format(tmp_path):
+    # VLLM_LOGGING_CONFIG with vLLM's JSON_FORMAT (asctime levelname name processName process message)
+    text = (
+        '{"asctime": "2026-12-01 10:00:00,001", "levelname": "DEBUG", "name": "vllm.v1.core.sched.scheduler", '
+        '"processName": "EngineCore_DP0", "process": 41, "message": "Finished sending KV transfer for request r1"}\n'
+        '{"asctime": "2026-12-01 10:00:01,001", "levelname": "ERROR", "name": "vllm...pull_worker", '
+        '"processName": "EngineCore_DP0", "process": 41, "message": "Potentially invalid KV blocks for '
+        'unrecognized request r1 were retrieved by a decode worker. They may have expired."}\n'
+    )
+    result, header, events = imported("vllm", text=text, tmp_path=tmp_path)
+    assert result.debug and "finish" in header["observed"]["kinds"]
+    assert [(e["ev"], e["request"]) for e in events] == [
+        ("transfer_read_done", "r1"), ("free", "r1"), ("transfer_read_done", "r1")]

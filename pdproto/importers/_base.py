@@ -187,8 +187,9 @@ class LogImporter:
     DEBUG_KINDS: ClassVar[tuple[str, ...]] = ()
     #: the fields each observed kind records (a kind not here records all)
     RECORDS: ClassVar[Mapping[str, tuple[str, ...]]] = {}
-    #: how a DEBUG line of this engine looks (decides :attr:`DEBUG_KINDS`)
-    DEBUG_MARK: ClassVar[str] = " DEBUG "
+    #: how a DEBUG line of this engine looks, in its text and JSON formats
+    #: (a log with one has the :attr:`DEBUG_KINDS` observed)
+    DEBUG_MARKS: ClassVar[tuple[str, ...]] = (" DEBUG ", '"DEBUG"')
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {p.name: 0 for p in self.PATTERNS}
@@ -237,12 +238,14 @@ class LogImporter:
         keywords = self.KEYWORDS
         handlers = self._handlers
         handoff = self.HANDOFF
-        mark = self.DEBUG_MARK
-        debug = False
+        marks = self.DEBUG_MARKS
+        debug = not marks
         lineno = 0
         for lineno, line in enumerate(lines, 1):
-            if not debug and mark in line:
-                debug = self.debug = True
+            if not debug:
+                for mark in marks:
+                    if mark in line:
+                        debug = self.debug = True
             for keyword in keywords:
                 if keyword in line:
                     break

@@ -48,7 +48,7 @@ class DynamoImporter(LogImporter):
     KINDS = ()
     DEBUG_KINDS = ("cancel",)
     RECORDS = {"cancel": ("request", "reason")}
-    DEBUG_MARK = "DEBUG"
+    DEBUG_MARKS = (" DEBUG ", '"level":"DEBUG"', '"level": "DEBUG"')
     HANDOFF: ClassVar[tuple["re.Pattern[str]", ...]] = (
         re.compile(r"(?i)\brequest(?:_id)?\b"),
         re.compile(r"(?i)\b(?:prefill|kv|free|transfer)\w*"),

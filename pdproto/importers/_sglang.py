@@ -53,7 +53,7 @@ class SglangImporter(LogImporter):
     #: the fields each kind records: the request, no generation (SGLang has
     #: none: a retry is a new rid), no transfer id
     RECORDS = {"transfer_failed": ("request",), "cancel": ("request", "reason"), "fail": ("request", "reason")}
-    DEBUG_MARK = "\0"  # SGLang lines carry no level
+    DEBUG_MARKS = ()  # SGLang lines carry no level
     HANDOFF: ClassVar[tuple["re.Pattern[str]", ...]] = (
         re.compile(r"\b(?:rid|bootstrap_room)=|\brequest\b"),
         re.compile(r"(?i)\b(?:kv|transfer|bootstrap|handshake|rid|bootstrap_room)\b"),
