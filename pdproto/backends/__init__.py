@@ -3,7 +3,9 @@
 The torch backend needs the ``torch`` extra (``pip install 'pdproto[torch]'``),
 the model backend (a real transformer beside it) the ``model`` extra; their
 names are loaded on first use, so importing this package imports neither
-torch nor transformers.
+torch nor transformers.  The transports of the torch backend (``copy``,
+``nixl``, ``mooncake``: :func:`make_transport`) are in ``._transport``,
+``._nixl`` and ``._mooncake`` (the ``nixl`` and ``mooncake`` extras).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ _LAZY = {name: "._torch" for name in ("KV_CORRUPTION", "KVCorruption", "TorchBac
                                        "parse_tp", "TORCH_DTYPES", "DEFAULT_MAX_MEMORY")}
 _LAZY.update({name: "._transformer" for name in ("LOGIT_DIVERGENCE", "LogitDivergence", "ModelBackend")})
 _LAZY.update({name: "._builtin_models" for name in ("BUILTIN_MODELS", "LoadedModel")})
+_LAZY.update({name: "._transport" for name in ("TRANSPORTS", "Transport", "TransportError", "TransportStatistics",
+                                                "make_transport")})
 
 
 def __getattr__(name: str) -> object:
