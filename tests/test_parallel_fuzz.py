@@ -1,0 +1,241 @@
+"""The parallel fuzzer (issue 16, item 3): `pdproto fuzz --workers N` and
+`--ray`, and the pytest plugin under pytest-xdist."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pdproto import fuzz, load_model
+from pdproto._cli import main
+from pdproto.drivers._parallel_fuzz import merge, plan, split_examples, worker_seed
+
+pytest_plugins = ["pytester"]
+
+#: three mutants of each family (push, pull)
+MUTANTS = [
+    "d-frees-target-on-abort", "stale-completion-commits-retry", "restart-without-fencing",
+    "p-frees-source-on-timer", "lost-handoff-strands-source", "decode-waits-on-first-attempt-id",
+]
+#: the keys of a fuzz result that measure time, not the run
+TIMING = {"seconds", "steps_per_second", "examples_per_second", "cpu_seconds", "phase_seconds"}
+
+
+def _untimed(result):
+    d = result.to_dict()
+    runs = [{k: v for k, v in r.items() if k != "seconds"} for r in d.pop("worker_runs", [])]
+    return {k: v for k, v in d.items() if k not in TIMING}, runs
+
+
+def test_families_of_the_mutants():
+    assert {load_model(m)[1].config.policy for m in MUTANTS[:3]} == {"push"}
+    assert {load_model(m)[1].config.policy for m in MUTANTS[3:]} == {"pull"}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_two_workers_find_what_serial_finds(name):
+    model, info = load_model(name)
+    serial = fuzz(model, examples=300, steps=100, seed=0, database=None)
+    parallel = fuzz(model, examples=300, steps=100, seed=0, database=None, workers=2)
+    assert serial.violation is not None and parallel.violation is not None
+    assert parallel.violation.invariant == serial.violation.invariant
+    assert parallel.counters["workers"] == 2 and serial.counters["workers"] == 1
+    found = parallel.counters["invariants_found"]
+    assert parallel.violation.invariant in found
+    # the reported failure is the shortest any worker found
+    assert len(parallel.failure.trace) == min(v["steps"] for v in found.values())
+
+
+def test_counts_add_up_to_the_budget_and_merge_exactly():
+    """A clean run: 7 examples over 2 workers are 4 + 3, and the merged
+    counters are the sums (distinct states: the union) of running each
+    worker's share alone with its seed."""
+    model, _ = load_model("reference")
+    result = fuzz(model, examples=7, steps=80, seed=5, database=None, workers=2)
+    assert result.ok
+    c = result.counters
+    runs = c["worker_runs"]
+    assert [r["examples"] for r in runs] == [4, 3] and c["examples"] == 7
+    assert c["steps"] == sum(r["steps"] for r in runs) == sum(c["action_kinds"].values())
+    shares = plan(7, 2, 5)
+    alone = [fuzz(model, examples=s.examples, steps=80, seed=s.seed, database=None) for s in shares]
+    assert [a.counters["steps"] for a in alone] == [r["steps"] for r in runs]
+    union = set().union(*(a.stats.states for a in alone))
+    assert result.stats.states == union and c["distinct_states"] == len(union)
+    again = merge(alone, shares, workers=2, seed=5, seconds=1.0, name=result.model, expected=None)
+    assert _untimed(again) == _untimed(result)
+
+
+def test_same_seed_same_merged_result_other_seed_other():
+    model, _ = load_model("reference")
+    a, b, c = (fuzz(model, examples=4, steps=100, seed=s, database=None, workers=2) for s in (3, 3, 4))
+    assert _untimed(a) == _untimed(b)
+    assert _untimed(a) != _untimed(c)
+
+
+def test_distinct_seeds_per_worker():
+    seeds = [worker_seed(7, i) for i in range(16)]
+    assert len(set(seeds)) == 16 and seeds == [worker_seed(7, i) for i in range(16)]
+    assert worker_seed(7, 0) != worker_seed(8, 0)
+    model, _ = load_model("reference")
+    result = fuzz(model, examples=4, steps=30, seed=7, database=None, workers=2)
+    assert [r["seed"] for r in result.counters["worker_runs"]] == seeds[:2]
+    assert result.seed == 7
+
+
+def test_split_examples():
+    assert split_examples(10, 3) == [4, 3, 3]
+    assert split_examples(1, 3) == [1, 0, 0]
+    assert [s.examples for s in plan(1, 3, 0)] == [1]  # idle workers are not started
+    for n, w in [(0, 1), (5, 5), (200, 7)]:
+        assert sum(split_examples(n, w)) == n
+
+
+def test_no_seed_draws_one_that_repeats_the_run():
+    model, _ = load_model("reference")
+    first = fuzz(model, examples=2, steps=40, database=None, workers=2)
+    assert isinstance(first.seed, int)
+    again = fuzz(model, examples=2, steps=40, seed=first.seed, database=None, workers=2)
+    assert _untimed(first) == _untimed(again)
+
+
+def test_one_database_replays_a_workers_failure_first(tmp_path):
+    """A failure one worker saved is replayed from the shared database by the
+    next run (serial or parallel, any seed) before anything is generated (the
+    walk steers by the states it has seen, so a replay does not always fail
+    at once: the reuse phase runs, not always alone)."""
+    db = str(tmp_path / "db")
+    model, _ = load_model("restart-without-fencing")
+    first = fuzz(model, examples=50, steps=100, seed=0, database=db, workers=2)
+    assert first.violation is not None and os.listdir(db)
+    for workers in (1, 2):
+        later = fuzz(model, examples=50, steps=100, seed=99, database=db, workers=workers)
+        assert later.violation.invariant == first.violation.invariant
+        assert later.counters["phase_seconds"]["reuse"] > 0
+    never_saved = fuzz(model, examples=50, steps=100, seed=99, database=str(tmp_path / "other"))
+    assert never_saved.counters["phase_seconds"]["reuse"] == 0
+
+
+def test_cli_workers_json_and_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "f.jsonl"
+    rc = main(["fuzz", "d-frees-target-on-abort", "--workers", "2", "--examples", "40", "--steps", "50",
+               "--seed", "3", "--out", str(out), "--json", "--no-database"])
+    assert rc == 1
+    r = json.loads(capsys.readouterr().out)
+    assert r["workers"] == 2 and r["violation"]["invariant"] == "early-target-reuse" and r["out"] == str(out)
+    assert r["examples"] == sum(w["examples"] for w in r["worker_runs"])
+    assert main(["audit", "--json", str(out)]) == 1
+    assert "early-target-reuse" in capsys.readouterr().out
+
+
+def test_cli_both_forms_of_workers(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["fuzz", "--workers", "2", "--workers", "2:1", "--requests", "2", "--examples", "3",
+                 "--steps", "30", "--seed", "1", "--json", "--no-database"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["workers"] == 2 and r["examples"] == 3
+
+
+def test_cli_report_names_the_workers(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["fuzz", "--workers", "2", "--examples", "3", "--steps", "30", "--seed", "1",
+                 "--no-database"]) == 0
+    text = capsys.readouterr().out
+    assert "workers" in text and "2 (examples 2, 1" in text
+
+
+@pytest.mark.parametrize("args", [
+    ["--workers", "0"], ["--workers", "2", "--workers", "3"], ["--workers", "1:1", "--workers", "2:2"],
+    ["--workers", "two"], ["--adapter", "model:reference", "--ray"],
+    ["--workers", "2", "--backend", "torch", "--device", "cuda"],
+])
+def test_cli_bad_parallel_input_one_line_exit_2(args, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["fuzz", *args, "--examples", "2", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_ray_missing_names_the_extra(monkeypatch):
+    from pdproto import MissingExtraError
+    from pdproto.drivers._ray_fuzz import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(MissingExtraError) as exc:
+        import_ray()
+    assert "pip install 'pdproto[ray]'" in str(exc.value)
+
+
+RAY_SCRIPT = textwrap.dedent("""
+    import json, ray
+    from pdproto import fuzz, load_model
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    TIMING = {"seconds", "steps_per_second", "examples_per_second", "cpu_seconds", "phase_seconds"}
+    def untimed(r):
+        d = {k: v for k, v in r.to_dict().items() if k not in TIMING}
+        d["worker_runs"] = [{k: v for k, v in w.items() if k != "seconds"} for w in d["worker_runs"]]
+        return d
+    model, _ = load_model("reference")
+    out = {"ray": untimed(fuzz(model, examples=5, steps=60, seed=4, database=None, ray=True, workers=2)),
+           "processes": untimed(fuzz(model, examples=5, steps=60, seed=4, database=None, workers=2))}
+    for name in ("d-frees-target-on-abort", "p-frees-source-on-timer"):
+        found = fuzz(load_model(name)[0], examples=50, steps=100, seed=0, database=None, ray=True)
+        out[name] = [found.violation.invariant, load_model(name)[1].expected, found.counters["workers"]]
+    ray.shutdown()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_ray_two_cpus_same_result_as_processes(tmp_path):
+    """On a local Ray instance of 2 CPUs: the same merged result as worker
+    processes, and the mutants found with one task per CPU.  In a fresh
+    interpreter: Hypothesis draws some values from the constants of the
+    local modules loaded (this test file's, under pytest), and a forked
+    worker inherits the modules its parent loaded while a Ray task does not."""
+    pytest.importorskip("ray")
+    proc = subprocess.run([sys.executable, "-c", RAY_SCRIPT], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ray"] == out["processes"]
+    assert out["ray"]["workers"] == 2 and out["ray"]["examples"] == 5
+    for name in ("d-frees-target-on-abort", "p-frees-source-on-timer"):
+        invariant, expected, workers = out[name]
+        assert invariant == expected and workers == 2  # one task per CPU of the instance
+
+
+XDIST_TESTS = textwrap.dedent("""
+    import pytest
+    from pdproto import load_model
+    from pdproto.testing import HandoffFailure
+
+    @pytest.mark.parametrize("name", ["reference", "reference"])
+    def test_clean(pdproto_fuzz, name):
+        stats = pdproto_fuzz(load_model(name)[0], examples=3, steps=40)
+        assert stats.steps > 0
+
+    @pytest.mark.parametrize("name", ["d-frees-target-on-abort", "p-frees-source-on-timer"])
+    def test_mutant(pdproto_fuzz, name, tmp_path):
+        with pytest.raises(HandoffFailure) as exc:
+            pdproto_fuzz(load_model(name)[0], examples=50, steps=60, out=tmp_path / "f.jsonl")
+        assert (tmp_path / "f.jsonl").exists()
+        assert exc.value.violation.invariant == load_model(name)[1].expected
+""")
+
+
+@pytest.mark.slow
+def test_plugin_under_xdist(pytester):
+    """The pdproto_fuzz fixture in two xdist workers: each test fuzzes in its
+    own process, failures and histories included."""
+    pytester.makepyfile(test_handoff=XDIST_TESTS)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "xdist", "--pdproto-profile", "quick",
+                                           "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["*2 workers*"])
