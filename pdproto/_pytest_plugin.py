@@ -6,6 +6,14 @@
 - Offers the ``pdproto_fuzz`` fixture: ``pdproto_fuzz(model)`` fuzzes a model
   under the active profile and fails the test with the monitor's violation,
   the step table and the path of the failing history (under ``tmp_path``).
+
+Under pytest-xdist (``pytest -n N``) each xdist worker loads the plugin and
+its profiles (``--pdproto-profile`` reaches every worker), each test fuzzes
+in the worker that runs it, its history goes to that test's own
+``tmp_path``, and the workers share Hypothesis's example database (a
+directory, safe for several processes), so a failure one worker saved is
+replayed first by whichever worker runs that test next
+(tests/test_parallel_fuzz.py runs this under ``-n 2``).
 """
 
 from __future__ import annotations
