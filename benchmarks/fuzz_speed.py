@@ -11,6 +11,9 @@ Speed is in CPU seconds (``time.process_time()``): other processes on the
 machine do not count, but a loaded machine is still slower (shared caches);
 the load average is printed beside the figures.
 
+It also runs the same example budget serially and with ``--workers 2``
+(issue 16) and reports both examples per wall second and their ratio.
+
     python benchmarks/fuzz_speed.py            # 30,000 and 144,000 steps, reference push default config
     python benchmarks/fuzz_speed.py --quick    # CI smoke: 3,000 steps, < 30 s
 """
@@ -69,6 +72,25 @@ def run_uniform(model, budget: int, steps_per_example: int, s: int) -> tuple[dic
     return _figures(stats, cpu, wall), stats
 
 
+def run_parallel(model, examples: int, steps_per_example: int, s: int, workers: int = 2) -> dict:
+    """The same budget of ``examples`` serially and over ``workers`` worker
+    processes: examples per wall second of each (worker start-up included)
+    and the speed-up."""
+    out = {}
+    for n in (1, workers):
+        t0 = time.perf_counter()
+        result = fuzz(model, examples=examples, steps=steps_per_example, seed=s, database=None, workers=n)
+        wall = time.perf_counter() - t0
+        assert result.ok, result.failure
+        out["serial" if n == 1 else f"workers_{n}"] = {
+            "examples": result.counters["examples"], "steps": result.counters["steps"],
+            "wall_seconds": round(wall, 2), "examples_per_second": round(result.counters["examples"] / wall, 2),
+            "distinct_states": result.counters["distinct_states"]}
+    out["speedup"] = round(out[f"workers_{workers}"]["examples_per_second"] / out["serial"]["examples_per_second"], 2)
+    out["cpus"] = os.cpu_count()
+    return out
+
+
 def _figures(stats: FuzzStats, cpu: float, wall: float) -> dict:
     return {
         "steps": stats.steps, "examples": stats.examples, "cpu_seconds": round(cpu, 2),
@@ -86,12 +108,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps-per-example", type=int, default=1000,
                     help="pdproto.fuzz's steps per example (default 1000; the baseline's is 50)")
+    ap.add_argument("--parallel-examples", type=int, default=60,
+                    help="examples of the serial vs --workers 2 run (300 steps each; --quick: 4 of 100)")
     args = ap.parse_args()
     budgets = sorted(args.budget or ([3000] if args.quick else [30_000, 144_000]))
     model, info = load_model(args.model)
     load = os.getloadavg()
     ours, ours_stats = run_ours(model, budgets[-1], args.steps_per_example, args.seed)
     uniform, uniform_stats = run_uniform(model, budgets[-1], 50, args.seed)
+    parallel = run_parallel(model, 4 if args.quick else args.parallel_examples, 100 if args.quick else 300,
+                            args.seed)
     reach = None if args.quick else reachable_states(model)
     at = []
     for budget in budgets:
@@ -104,6 +130,7 @@ def main() -> int:
         })
     out = {
         "model": info.name, "budgets": at, "ours": ours, "uniform": uniform, "reachable_states": reach,
+        "parallel": parallel,
         "load_average": {"start": [round(x, 2) for x in load], "end": [round(x, 2) for x in os.getloadavg()]},
         "targets": {"ratio": TARGET_RATIO, "steps_per_cpu_second": TARGET_STEPS_PER_SECOND},
     }
