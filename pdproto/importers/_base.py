@@ -9,9 +9,9 @@ a handoff line (it names a request and speaks of KV, transfers or blocks) but
 matches no known format is counted and its first examples are kept
 (:attr:`ImportResult.unrecognised`): never dropped silently.
 
-Streaming, constant memory: the log is read one line at a time and the events
-go to a temporary spool file, because the
-header, written first, says what was observed and that is known only at the
+Streaming, constant memory: the log is read one line at a time (each cut at
+:data:`MAX_LOG_LINE`), and the events go to a temporary spool file, because
+the header, written first, says what was observed, which is known only at the
 end (a vLLM log at DEBUG level shows more kinds than one at INFO).  The state
 an importer keeps per request is bounded (:data:`MAX_TRACKED`).
 """
@@ -172,9 +172,10 @@ class LogImporter:
     whose source fixes the formats), :attr:`POLICY`, :attr:`PATTERNS`,
     :attr:`KEYWORDS` (a line without any of them is skipped at once: the fast
     path of long logs), :attr:`HANDOFF` (what makes an unknown line look like
-    a handoff line: every one of these patterns is found in it) and the kinds it observes (:attr:`KINDS`, and
-    :attr:`DEBUG_KINDS` when DEBUG lines add some).  One instance reads one
-    log.
+    a handoff line: every one of these patterns is found in it), the kinds it
+    observes (:attr:`KINDS`, and :attr:`DEBUG_KINDS` when DEBUG lines add
+    some) and the fields each records (:attr:`RECORDS`).  One instance reads
+    one log.
     """
 
     ENGINE: ClassVar[str] = ""
@@ -246,6 +247,7 @@ class LogImporter:
                 for mark in marks:
                     if mark in line:
                         debug = self.debug = True
+                        break
             for keyword in keywords:
                 if keyword in line:
                     break
