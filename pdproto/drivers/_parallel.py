@@ -22,6 +22,7 @@ in the middle of a level.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import time
@@ -50,7 +51,10 @@ class WorkerError(PdprotoError):
 
 
 def _serve(conn: Any, args: tuple, kwargs: dict) -> None:
-    """A worker process: build the shard, then answer calls until told to stop."""
+    """A worker process: build the shard, then answer calls until told to stop.
+    The cyclic GC is off, as in the serial search (states are acyclic tuples)."""
+    gc.freeze()
+    gc.disable()
     try:
         shard = Shard(*args, **kwargs)
     except BaseException:  # noqa: BLE001 - reported to the coordinator

@@ -31,7 +31,7 @@ from array import array
 from typing import Any, Callable
 
 from ..spec._monitor import Monitor
-from ._search import _CONCRETE, _MonitorStates, _key_functions, _rss, _symmetry_hooks
+from ._search import _CONCRETE, _SKIP, _MonitorStates, _append_wide, _key_functions, _rss, _symmetry_hooks
 from ._visited import _BAD, _PAIR, _flat_type, _Visited
 
 #: the kinds of finding, in the order a shard reports them
@@ -59,18 +59,20 @@ class Shard:
         self.sym_mode = hooks[0]
         self.concrete = self.sym_mode in _CONCRETE
         self.visited = _Visited(fingerprint, intern, not self.concrete)
-        self.flat_key, self.product_key = _key_functions(hooks, self.mons, self.scls)
+        self.flat_key, self.product_key, self.canon_key = _key_functions(hooks, self.mons, self.scls)
+        self.sym_hook = hooks[2] if self.sym_mode == "renaming" else None
         self.fast = self.concrete and _flat_type(self.scls)
         self.part = _part_function(hooks, self.concrete, self.mons.keys)
         self.ikey = self.visited.interner.key if self.visited.interner is not None else None
         self.parents = array("i")  # local index -> parent's global id (-1: initial); widened past 2**31
         self.via = array("H")  # local index -> action index in the parent (initial index)
-        self.depths = array("H")  # local index -> level; widened past 65535
-        self.frontier: list = []  # this level's entries (as in the serial search)
-        self.fidx: list[int] = []  # their local indices
+        # this level's entries (as in the serial search; _SKIP for a state not
+        # expanded): entry i is the state of local index start + i
+        self.frontier: list = []
         self.next: list = []
-        self.nidx: list[int] = []
+        self.start = self.next_start = 0
         self.level = 0
+        self.checks = bool(self.invariants or self.unmet)
         self.transitions = 0
         self.found: dict[str, tuple] = {}  # invariant -> (depth, kind rank, gid, kind, message)
         self.met: set[str] = set()
@@ -96,13 +98,17 @@ class Shard:
         n, wid, part, step, actions_of = self.n, self.wid, self.part, self.model.step, self.model.actions
         mons = self.mons
         template, memo, ev_ids, events_id, feed = mons.template, mons.memo, mons.ev_ids, mons.events_id, mons.feed
-        scls, tnew, add = self.scls, tuple.__new__, self._add
-        out: list[list] = [[] for _ in range(n)]
+        scls, tnew, add, new = self.scls, tuple.__new__, self._add, self._new
+        fast, keys, start = self.fast, self.visited.keys, self.start
+        sym_hook, rename, canon_key = self.sym_hook, mons.rename, self.canon_key
+        out = [_Batch() if w != wid else None for w in range(n)]
         transitions = 0
-        for entry, lidx in zip(self.frontier, self.fidx):
+        for i, entry in enumerate(self.frontier):
+            if entry is _SKIP:
+                continue
             state, mid = _unpack(entry, scls, tnew)
             acts = actions_of(state)
-            pgid = lidx * n + wid
+            pgid = (start + i) * n + wid
             if not acts:
                 self._quiet(mid, pgid)
                 continue
@@ -118,28 +124,66 @@ class Shard:
                     nmid, bad = (hit, None) if type(hit) is int else (hit[0], hit[1][0])
                 else:
                     nmid, bad = mid, None
-                dest = hash(part(nstate, nmid)) % n
+                fast_state = fast and type(nstate) is scls
+                if sym_hook is not None:
+                    # the canonical state and the renamed monitor id, once: the
+                    # owner gets both (it need not run the model's hook again)
+                    cstate, ren = sym_hook(nstate)
+                    rmid = nmid if nmid == 0 or ren is None else rename(nmid, ren)
+                    dest = hash(cstate) % n
+                    if dest == wid:
+                        add(nstate, nmid, pgid, ai, bad, canon_key(cstate, rmid))
+                    else:
+                        out[dest].add_canonical(nstate, nmid, pgid, ai, bad, cstate, rmid)  # type: ignore[union-attr]
+                    continue
+                dest = hash(nstate if fast_state else part(nstate, nmid)) % n
                 if dest == wid:
-                    add(nstate, nmid, pgid, ai, bad)
+                    if bad is None and fast_state and keys is not None:
+                        key = nstate + (nmid, _PAIR) if nmid else nstate
+                        if key not in keys:
+                            new(key, nstate, pgid, ai)
+                    else:
+                        add(nstate, nmid, pgid, ai, bad)
                 else:
-                    out[dest].append((nstate, nmid, pgid, ai, bad))
+                    b = out[dest]
+                    if bad is not None:
+                        b.bads[len(b.states)] = (bad.invariant, bad.message)  # type: ignore[union-attr]
+                    b.states.append(nstate)  # type: ignore[union-attr]
+                    b.mids.append(nmid)  # type: ignore[union-attr]
+                    b.pgids.append(pgid)  # type: ignore[union-attr]
+                    b.ais.append(ai)  # type: ignore[union-attr]
         self.transitions += transitions
-        batches = [None if not b else _pack(b, mons.keys) for b in out]
+        batches = [None if b is None or not b.states else b.pack(mons.keys) for b in out]
         return self._stats(transitions), batches
 
     def merge(self, batches: list[bytes | None]) -> dict[str, Any]:
         """Add the successors the other shards sent; the next level becomes
         the frontier."""
-        intern, add = self.mons.intern, self._add
+        intern, add, new, fast, scls = self.mons.intern, self._add, self._new, self.fast, self.scls
+        keys = self.visited.keys
         for blob in batches:
             if blob is None:
                 continue
-            mkeys, states, mrefs, pgids, ais, bads = pickle.loads(blob)
-            mids = [intern(k) for k in mkeys]
+            table, states, smids, pgids, ais, bads, cstates, rmids = pickle.loads(blob)
+            mids = {smid: intern(k) for smid, k in table.items()}
+            if cstates is not None:  # canonical states and renamed monitor ids along
+                canon_key = self.canon_key
+                for j, nstate in enumerate(states):
+                    bad = bads.get(j) if bads else None
+                    add(nstate, mids[smids[j]], pgids[j], ais[j], None if bad is None else _Found(*bad),
+                        canon_key(cstates[j], mids[rmids[j]]))
+                continue
             for j, nstate in enumerate(states):
-                bad = bads.get(j)
-                add(nstate, mids[mrefs[j]], pgids[j], ais[j],
-                    None if bad is None else _Found(bad[0], bad[1]))
+                nmid = mids[smids[j]]
+                if bads and j in bads:
+                    bad = bads[j]
+                    add(nstate, nmid, pgids[j], ais[j], _Found(bad[0], bad[1]))
+                elif fast and keys is not None and type(nstate) is scls:
+                    key = nstate + (nmid, _PAIR) if nmid else nstate
+                    if key not in keys:
+                        new(key, nstate, pgids[j], ais[j])
+                else:
+                    add(nstate, nmid, pgids[j], ais[j], None)
         return self._swap(True)
 
     def links(self, gids: list[int]) -> list[tuple[int, int]]:
@@ -152,7 +196,7 @@ class Shard:
         the monitor states seen, memory."""
         states = len(self.parents)
         memory: dict[str, int] = {
-            "links": self.parents.itemsize * states + self.via.itemsize * states + self.depths.itemsize * states}
+            "links": self.parents.itemsize * states + self.via.itemsize * states}
         self.visited.account(memory, states)
         return {
             "found": self.found, "met": sorted(self.met), "monitor_keys": list(self.mons.keys),
@@ -161,9 +205,12 @@ class Shard:
 
     # -- inside ----------------------------------------------------------------
 
-    def _add(self, nstate: Any, nmid: int, pgid: int, ai: int, bad: Any) -> None:
-        """A successor (or initial state) owned here: add it when new."""
-        if self.fast and type(nstate) is self.scls:
+    def _add(self, nstate: Any, nmid: int, pgid: int, ai: int, bad: Any, key: Any = None) -> None:
+        """A successor (or initial state) owned here: add it when new.
+        ``key``: its search key, when the caller has it."""
+        if key is not None:
+            pass
+        elif self.fast and type(nstate) is self.scls:
             key = nstate + (nmid, _PAIR) if nmid else nstate
         else:
             key = self.flat_key(nstate, nmid) if self.concrete else self.product_key(nstate, nmid)
@@ -184,21 +231,39 @@ class Shard:
                 elif key is nstate and self.fast and type(nstate) is self.scls:
                     key = kkey(key, 0)
             keys.add(key)  # type: ignore[union-attr]
-        lidx = len(self.parents)
+        self._link(pgid, ai)
         depth = self.level + 1 if pgid >= 0 else 0
-        self.parents = _append(self.parents, pgid, "q")
-        self.via = _append(self.via, ai, "l")
-        self.depths = _append(self.depths, depth, "l")
-        gid = lidx * self.n + self.wid
+        gid = (len(self.parents) - 1) * self.n + self.wid
         if bad is not None:
             self._record("violation", bad.invariant, gid, depth, bad.message)
-            return  # a violating state is not expanded
-        self._check_state(nstate, gid, depth)
+            self.next.append(_SKIP)  # a violating state is not expanded
+            return
+        if self.checks:
+            self._check_state(nstate, gid, depth)
         if visited.fpset is None and self.concrete:
             self.next.append(key)  # the stored key (fields already interned) is a frontier entry
         else:
             self.next.append(self.flat_key(nstate, nmid, self.ikey))
-        self.nidx.append(lidx)
+
+    def _new(self, key: Any, nstate: Any, pgid: int, ai: int) -> None:
+        """A new concrete flat state (exact mode, no violation): ``key`` its
+        stored form, known to be new."""
+        kkey = self.visited.kinterner
+        if kkey is not None:
+            key = kkey.key(key) if key is not nstate else kkey.key(key, 0)
+        self.visited.keys.add(key)  # type: ignore[union-attr]
+        self._link(pgid, ai)
+        if self.checks:
+            self._check_state(nstate, (len(self.parents) - 1) * self.n + self.wid, self.level + 1)
+        self.next.append(key)
+
+    def _link(self, pgid: int, ai: int) -> None:
+        try:
+            self.parents.append(pgid)
+            self.via.append(ai)
+        except OverflowError:
+            self.parents = _append_wide(self.parents, len(self.via), pgid, "q")
+            self.via = _append_wide(self.via, len(self.via), ai, "l")
 
     def _quiet(self, mid: int, gid: int) -> None:
         if self.check_deadlock and self.template is not None:
@@ -209,12 +274,18 @@ class Shard:
     def _check_state(self, state: Any, gid: int, depth: int) -> None:
         unmet = self.unmet
         if unmet:
-            for name in [n for n, p in unmet.items() if p(state)]:
-                del unmet[name]
-                self.met.add(name)
+            hits = None
+            for name, p in unmet.items():
+                if p(state):
+                    hits = [name] if hits is None else hits + [name]
+            if hits is not None:
+                for name in hits:
+                    del unmet[name]
+                    self.met.add(name)
         for name, pred in self.invariants.items():
             if not pred(state):
                 self._record("state-invariant", name, gid, depth, f"state invariant {name!r} fails")
+        self.checks = bool(self.invariants or unmet)
 
     def _record(self, kind: str, inv: str, gid: int, depth: int, message: str) -> None:
         """Keep the shallowest finding of each invariant (ties: the kind order
@@ -226,7 +297,8 @@ class Shard:
 
     def _swap(self, deeper: bool) -> dict[str, Any]:
         """The next level becomes the frontier; return the stats."""
-        self.frontier, self.fidx, self.next, self.nidx = self.next, self.nidx, [], []
+        self.frontier, self.next = self.next, []
+        self.start, self.next_start = self.next_start, len(self.parents)
         self.level += deeper
         return self._stats(0)
 
@@ -272,36 +344,42 @@ def _unpack(entry: Any, scls: type, tnew: Callable) -> tuple[Any, int]:
     return entry, 0
 
 
-def _pack(batch: list[tuple], mkeys: list[tuple]) -> bytes:
-    """One batch of successors for another shard, pickled: the monitor keys
-    used (each once), then columns: states, key index, parent gid, action
-    index, and the violations by position."""
-    refs: dict[int, int] = {}
-    table: list[tuple] = []
-    states, mrefs, pgids, ais = [], array("i"), array("q"), array("l")
-    bads: dict[int, tuple[str, str]] = {}
-    for j, (nstate, nmid, pgid, ai, bad) in enumerate(batch):
-        r = refs.get(nmid)
-        if r is None:
-            r = refs[nmid] = len(table)
-            table.append(mkeys[nmid])
-        states.append(nstate)
-        mrefs.append(r)
-        pgids.append(pgid)
-        ais.append(ai)
+class _Batch:
+    """The successors one shard sends another in one level, as columns: the
+    states, their monitor ids (the sender's), the parents' global ids, the
+    action indices, and the violations by position."""
+
+    __slots__ = ("states", "mids", "pgids", "ais", "bads", "cstates", "rmids")
+
+    def __init__(self) -> None:
+        self.states: list = []
+        self.mids = array("l")
+        self.pgids = array("q")
+        self.ais = array("l")
+        self.bads: dict[int, tuple[str, str]] = {}
+        self.cstates: list | None = None  # under a renaming symmetry: the canonical states
+        self.rmids: array | None = None  # ... and the renamed monitor ids
+
+    def add_canonical(self, nstate: Any, nmid: int, pgid: int, ai: int, bad: Any, cstate: Any, rmid: int) -> None:
+        if self.cstates is None:
+            self.cstates, self.rmids = [], array("l")
         if bad is not None:
-            bads[j] = (bad.invariant, bad.message)
-    return pickle.dumps((table, states, mrefs, pgids, ais, bads), protocol=pickle.HIGHEST_PROTOCOL)
+            self.bads[len(self.states)] = (bad.invariant, bad.message)
+        self.states.append(nstate)
+        self.mids.append(nmid)
+        self.pgids.append(pgid)
+        self.ais.append(ai)
+        self.cstates.append(cstate)
+        self.rmids.append(rmid)  # type: ignore[union-attr]
 
-
-def _append(items: array, value: int, wider: str) -> array:
-    """``items`` with ``value`` appended, widened to type ``wider`` if needed."""
-    try:
-        items.append(value)
-    except OverflowError:
-        items = array(wider, items)
-        items.append(value)
-    return items
+    def pack(self, mkeys: list[tuple]) -> bytes:
+        """Pickled, with the monitor key of each monitor id used (each once)."""
+        used = set(self.mids)
+        if self.rmids is not None:
+            used.update(self.rmids)
+        table = {mid: mkeys[mid] for mid in used}
+        return pickle.dumps((table, self.states, self.mids, self.pgids, self.ais, self.bads, self.cstates, self.rmids),
+                            protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def hash_seed_env() -> dict[str, str]:

@@ -139,11 +139,13 @@ def _symmetry_hooks(model: Any, symmetry: bool) -> tuple[str, Any, Any, Any]:
     return mode, product, renaming, canonical
 
 
-def _key_functions(hooks: tuple[str, Any, Any, Any], mons: _MonitorStates, scls: type) -> tuple[Callable, Callable]:
+def _key_functions(hooks: tuple[str, Any, Any, Any], mons: _MonitorStates,
+                   scls: type) -> tuple[Callable, Callable, Callable]:
     """(flat_key, product_key) for the hooks of :func:`_symmetry_hooks`:
     ``flat_key(state, mid)`` is the stored form of a concrete product state
     (a frontier entry), ``product_key(state, mid)`` its search key under the
-    model's symmetry hooks."""
+    model's symmetry hooks; ``canon_key(cstate, mid)`` the search key of a
+    canonical state and a (renamed) monitor id."""
     _, canonical_product, sym_hook, canonical = hooks
     mkeys, rename = mons.keys, mons.rename
     flat_types: dict[type, bool] = {}
@@ -183,7 +185,7 @@ def _key_functions(hooks: tuple[str, Any, Any, Any], mons: _MonitorStates, scls:
             return tuple(cstate) + (mid, _PAIR)
         return cstate if mid == 0 else (_PAIR, cstate, mid)
 
-    return flat_key, product_key
+    return flat_key, product_key, canon_key
 
 
 class _Search:
@@ -227,7 +229,7 @@ class _Search:
         hooks = _symmetry_hooks(model, symmetry)
         self.sym_mode = hooks[0]
         self.visited = _Visited(fingerprint, intern, self.sym_mode not in _CONCRETE)
-        self.flat_key, self.product_key = _key_functions(hooks, self.mons, self.scls)
+        self.flat_key, self.product_key, _ = _key_functions(hooks, self.mons, self.scls)
         self.ikey = self.visited.interner.key if self.visited.interner is not None else None
         self.parents = array("i")  # state index -> parent index (-1 for initial); widened past 2**31
         self.via = array("H")  # state index -> action index in the parent (initial index); widened past 65535
