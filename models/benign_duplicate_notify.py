@@ -18,19 +18,22 @@ FAMILY = "push"
 FAULTS = ("loss", "reorder", "cancel")
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"loss": 1, "reorder": 1, "cancel": 1})
 
-_ON_DONE = REFERENCE["push"].on_xfer_done.effect
+def sent_twice(kind):
+    """The family's ``on_xfer_done``, then a second copy of the ``kind`` message it just sent."""
 
+    def twice(m, s, x, q, ev):
+        s = REFERENCE[m.policy].on_xfer_done.effect(m, s, x, q, ev)
+        last = s.msgs[-1] if s.msgs else None
+        if last is not None and last.kind is kind and last.r == x.r:
+            s = m.send(s, kind, x.r, last.gen, last.frm, last.to)  # the same message again
+        return s
 
-def notify_twice(m, s, x, q, ev):
-    s = _ON_DONE(m, s, x, q, ev)
-    if s.msgs and s.msgs[-1].kind is MsgKind.NOTIFY and s.msgs[-1].r == x.r:
-        s = m.send(s, MsgKind.NOTIFY, x.r, q.gen, q.p, q.d)  # the same notification again
-    return s
+    return twice
 
 
 class BenignDuplicateNotify(HandoffModel):
     name = "benign_duplicate_notify"
-    rules = REFERENCE.replace("on_xfer_done", effect=notify_twice)
+    rules = REFERENCE.replace("on_xfer_done", effect=sent_twice(MsgKind.NOTIFY))
 
 
 def build(config: ModelConfig) -> HandoffModel:

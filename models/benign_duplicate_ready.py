@@ -16,11 +16,10 @@ FAMILY = "pull"
 FAULTS = ("reorder", "cancel")
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=1, faults={"reorder": 1, "cancel": 1})
 
-_PREFILL_DONE = REFERENCE["pull"].prefill_done.effect
-
-
 def ready_twice(m, s, r, q, ev):
-    s = _PREFILL_DONE(m, s, r, q, ev)
+    s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)
+    if m.policy != "pull":  # (push sends no ready)
+        return s
     return m.send(s, MsgKind.READY, r, q.gen, q.p, q.d)  # the same ready again
 
 

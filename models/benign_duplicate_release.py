@@ -7,6 +7,7 @@ layer group or per retry look like this.  Family: pull.  The monitor must
 report it clean (no ``bad-free``).
 """
 
+from pdproto.models.benign_duplicate_notify import sent_twice
 from pdproto.protocol import HandoffModel, ModelConfig, MsgKind, REFERENCE
 
 EXPECTED = None
@@ -17,19 +18,10 @@ FAMILY = "pull"
 FAULTS = ("loss", "reorder", "timeout")
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=1, faults={"loss": 1, "reorder": 1, "timeout": 1})
 
-_ON_DONE = REFERENCE["pull"].on_xfer_done.effect
-
-
-def release_twice(m, s, x, q, ev):
-    s = _ON_DONE(m, s, x, q, ev)
-    if s.msgs and s.msgs[-1].kind is MsgKind.RELEASE and s.msgs[-1].r == x.r:
-        s = m.send(s, MsgKind.RELEASE, x.r, q.gen, q.d, q.p)  # the same release again
-    return s
-
 
 class BenignDuplicateRelease(HandoffModel):
     name = "benign_duplicate_release"
-    rules = REFERENCE.replace("on_xfer_done", effect=release_twice)
+    rules = REFERENCE.replace("on_xfer_done", effect=sent_twice(MsgKind.RELEASE))
 
 
 def build(config: ModelConfig) -> HandoffModel:

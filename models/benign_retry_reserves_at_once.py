@@ -19,14 +19,12 @@ FAULTS = ("timeout", "retry", "transfer_fail")
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1,
                              faults={"timeout": 1, "retry": 2, "transfer_fail": 1})
 
-_PUSH = REFERENCE["push"]
-
-
 def retry_and_reserve(m, s, r, q, ev):
-    s = _PUSH.retry.effect(m, s, r, q, ev)
+    table = REFERENCE[m.policy]
+    s = table.retry.effect(m, s, r, q, ev)
     q = s.reqs[r]
-    if _PUSH.reserve.guard(m, s, r, q):
-        return _PUSH.reserve.effect(m, s, r, q, ev)
+    if m.policy == "push" and table.reserve.guard(m, s, r, q):  # (pull: D reserves when P is ready)
+        return table.reserve.effect(m, s, r, q, ev)
     return s
 
 
