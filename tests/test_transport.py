@@ -132,3 +132,24 @@ def test_without_the_library_the_extra_is_named(name, blocked, extra, monkeypatc
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert code == 2
     assert len(err) == 1 and f"pip install 'pdproto[{extra}]'" in err[0], err
+
+
+def test_mooncake_without_libibverbs_says_so_in_one_line(monkeypatch, capsys):
+    """The wheel links libibverbs.so.1 even for TCP: without the system
+    package its import fails, and --transport mooncake says why (exit 2)."""
+    import importlib
+
+    from pdproto.backends import _mooncake
+
+    real = importlib.import_module
+
+    def fake(name, *a, **k):
+        if name == "mooncake.engine":
+            raise ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(_mooncake.importlib, "import_module", fake)
+    code = main(["replay", os.path.join(EXAMPLES, "clean-push.jsonl"), "--transport", "mooncake"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2
+    assert len(err) == 1 and "libibverbs.so.1" in err[0] and "libibverbs1" in err[0], err

@@ -243,3 +243,16 @@ def test_a_lost_peer_refuses_a_prepared_handle(nixl):
         agent.transfer(handle, b"lost")
     nixl.run(x)  # reloaded on the next transfer
     assert torch.equal(dst[0], src[1])
+
+
+@pytest.mark.slow
+def test_check_and_fuzz_with_the_nixl_transport_find_the_corruption(capsys):
+    import json
+
+    assert main(["check", "p-frees-source-on-timer", "--backend", "torch", "--transport", "nixl", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["backend"]["transport"] == "nixl"
+    assert any(v["invariant"] == "kv-corruption" for v in out["violations"])
+    assert main(["fuzz", "p-frees-source-on-timer", "--backend", "torch", "--transport", "nixl", "--examples", "30",
+                 "--seed", "1", "--no-database", "--json"]) == 1
+    assert not json.loads(capsys.readouterr().out)["ok"]
