@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import MissingExtraError
+from .._errors import MissingExtraError, UsageError
 from ._fuzz import FuzzResult
 from ._parallel_fuzz import FuzzWorkerError, Share, plan, portable, run_share
 
@@ -37,7 +37,12 @@ def run_ray(model: Any, examples: int, workers: int | None, seed: int, options: 
     ray = import_ray()
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            where = address or "a local instance"
+            raise UsageError("--ray", where, f"a Ray cluster to join or start ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else '?'})") from None
     try:
         if workers is None:
             workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
