@@ -57,6 +57,56 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # timing only: not part of the copy path
 
 
+class Handoffs:
+    """Handoffs of ``tokens`` tokens in ``blocks`` (the same blocks on P and
+    D every time) applied to ``backend``; ``handoff(i, staged, verify)``
+    returns the seconds of the transfer path (``transfer_read_done`` +
+    ``transfer_write_done``; with ``staged`` the source is freed between
+    them and the free's poison is taken off).  Also used by
+    benchmarks/transport_bandwidth.py."""
+
+    def __init__(self, backend: TorchBackend, tokens: int, blocks: tuple[int, ...]) -> None:
+        self.backend = backend
+        self.tokens = tokens
+        self.blocks = blocks
+        self.line = 1
+
+    def ap(self, ev):
+        self.line += 1
+        return self.backend.apply(ev, self.line)
+
+    def __call__(self, i: int, staged: bool, verify: bool) -> float:
+        ap, backend, blocks, tokens = self.ap, self.backend, self.blocks, self.tokens
+        device = backend.device
+        r = f"r{i}"
+        ap(Submit(r, 0, prompt_len=tokens, max_new_tokens=1))
+        ap(Reserve(r, 0, f"t{i}", "D0", blocks))
+        ap(PrefillStart(r, 0, "P0", blocks))
+        ap(PrefillDone(r, 0, "P0", first_token=1, processed_len=tokens))
+        ap(TransferStart(f"x{i}", f"t{i}", r, 0, "P0", blocks, "D0", blocks))
+        _sync(device)
+        poison0 = backend.statistics().poison_seconds
+        t0 = time.perf_counter()
+        ap(TransferReadDone(f"x{i}"))
+        if staged:
+            ap(Free("P0", blocks, r, 0))  # legal after read_done: forces the staging copy
+        ap(TransferWriteDone(f"x{i}"))
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if not staged:
+            ap(Free("P0", blocks, r, 0))
+        else:
+            # the free's poison is not copy work: take off what the backend spent
+            # poisoning (its own timing, the same clock, of the fill it does)
+            dt -= backend.statistics().poison_seconds - poison0
+        if verify:
+            bad = ap(Commit(r, 0, f"t{i}", "D0"))
+            assert not bad, bad
+        ap(Finish(r, 0))
+        ap(Free("D0", blocks, r, 0))
+        return dt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke run")
@@ -81,40 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     device = backend.device
     blocks = tuple(range(nblocks))
     nbytes = nblocks * backend.layout.block_bytes
-    line = [1]
-
-    def ap_(ev):
-        line[0] += 1
-        return backend.apply(ev, line[0])
-
-    def handoff(i: int, staged: bool, verify: bool) -> float:
-        r = f"r{i}"
-        ap_(Submit(r, 0, prompt_len=tokens, max_new_tokens=1))
-        ap_(Reserve(r, 0, f"t{i}", "D0", blocks))
-        ap_(PrefillStart(r, 0, "P0", blocks))
-        ap_(PrefillDone(r, 0, "P0", first_token=1, processed_len=tokens))
-        ap_(TransferStart(f"x{i}", f"t{i}", r, 0, "P0", blocks, "D0", blocks))
-        _sync(device)
-        poison0 = backend.statistics().poison_seconds
-        t0 = time.perf_counter()
-        ap_(TransferReadDone(f"x{i}"))
-        if staged:
-            ap_(Free("P0", blocks, r, 0))  # legal after read_done: forces the staging copy
-        ap_(TransferWriteDone(f"x{i}"))
-        _sync(device)
-        dt = time.perf_counter() - t0
-        if not staged:
-            ap_(Free("P0", blocks, r, 0))
-        else:
-            # the free's poison is not copy work: take off what the backend spent
-            # poisoning (its own timing, the same clock, of the fill it does)
-            dt -= backend.statistics().poison_seconds - poison0
-        if verify:
-            bad = ap_(Commit(r, 0, f"t{i}", "D0"))
-            assert not bad, bad
-        ap_(Finish(r, 0))
-        ap_(Free("D0", blocks, r, 0))
-        return dt
+    handoff = Handoffs(backend, tokens, blocks)
 
     def plain() -> float:
         src = backend.pool("P0")

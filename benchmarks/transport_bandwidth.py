@@ -25,27 +25,16 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdproto import (  # noqa: E402
-    Commit,
-    Finish,
-    Free,
-    HistoryHeader,
-    PrefillDone,
-    PrefillStart,
-    Reserve,
-    Submit,
-    TransferReadDone,
-    TransferStart,
-    TransferWriteDone,
-    WorkerSpec,
-)
+from pdproto import HistoryHeader, WorkerSpec  # noqa: E402
 from pdproto._errors import PdprotoError  # noqa: E402
 from pdproto.backends._torch import TorchBackend  # noqa: E402
 from pdproto.backends._transport import make_transport  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from replay_bandwidth import Handoffs  # noqa: E402
 
 #: name -> (layers, tokens); 8 KV heads x head dim 128, bf16, block size 16
 SIZES = {"tiny": (1, 16), "quick": (4, 512), "full": (32, 4096)}
@@ -60,35 +49,11 @@ def measure(transport, layers: int, tokens: int, repeat: int, pull: bool) -> dic
                            max_memory=None, transport=transport)
     blocks = tuple(range(nblocks))
     nbytes = nblocks * backend.layout.block_bytes
-    line = [1]
-
-    def ap(ev):
-        line[0] += 1
-        return backend.apply(ev, line[0])
-
-    def handoff(i: int, verify: bool) -> float:
-        r = f"r{i}"
-        ap(Submit(r, 0, prompt_len=tokens, max_new_tokens=1))
-        ap(Reserve(r, 0, f"t{i}", "D0", blocks))
-        ap(PrefillStart(r, 0, "P0", blocks))
-        ap(PrefillDone(r, 0, "P0", first_token=1, processed_len=tokens))
-        ap(TransferStart(f"x{i}", f"t{i}", r, 0, "P0", blocks, "D0", blocks))
-        t0 = time.perf_counter()
-        ap(TransferReadDone(f"x{i}"))
-        ap(TransferWriteDone(f"x{i}"))
-        dt = time.perf_counter() - t0
-        ap(Free("P0", blocks, r, 0))
-        if verify:
-            bad = ap(Commit(r, 0, f"t{i}", "D0"))
-            assert not bad, bad
-        ap(Finish(r, 0))
-        ap(Free("D0", blocks, r, 0))
-        return dt
-
-    handoff(0, verify=True)  # warm up (connections, registration), and check the bytes once
+    handoff = Handoffs(backend, tokens, blocks)
+    handoff(0, staged=False, verify=True)  # warm up (connections, registration), and check the bytes once
     before = backend.transport.statistics()
     first = len(backend.transport._latencies)
-    times = [handoff(i, verify=False) for i in range(1, repeat + 1)]
+    times = [handoff(i, staged=False, verify=False) for i in range(1, repeat + 1)]
     after = backend.transport.statistics()
     lat = backend.transport._latencies[first:]
     assert backend.ok, backend.violations[:3]
