@@ -74,8 +74,10 @@ def run_uniform(model, budget: int, steps_per_example: int, s: int) -> tuple[dic
 
 def run_parallel(model, examples: int, steps_per_example: int, s: int, workers: int = 2) -> dict:
     """The same budget of ``examples`` serially and over ``workers`` worker
-    processes: examples per wall second of each (worker start-up included)
-    and the speed-up."""
+    processes: examples per wall second of each (worker start-up included),
+    the speed-up, and the ratio of CPU seconds (the workers' added up; 1.0:
+    no overhead).  The wall speed-up needs ``workers`` idle cores: compare
+    the load average."""
     out = {}
     for n in (1, workers):
         t0 = time.perf_counter()
@@ -85,7 +87,10 @@ def run_parallel(model, examples: int, steps_per_example: int, s: int, workers: 
         out["serial" if n == 1 else f"workers_{n}"] = {
             "examples": result.counters["examples"], "steps": result.counters["steps"],
             "wall_seconds": round(wall, 2), "examples_per_second": round(result.counters["examples"] / wall, 2),
+            # the workers' CPU seconds added up: the parallel overhead is their excess over serial's
+            "cpu_seconds": result.counters["cpu_seconds"],
             "distinct_states": result.counters["distinct_states"]}
+    out["cpu_ratio"] = round(out[f"workers_{workers}"]["cpu_seconds"] / max(out["serial"]["cpu_seconds"], 1e-9), 2)
     out["speedup"] = round(out[f"workers_{workers}"]["examples_per_second"] / out["serial"]["examples_per_second"], 2)
     out["cpus"] = os.cpu_count()
     return out
