@@ -596,6 +596,9 @@ class TorchBackend:
         self._check_sizes(header)
         self.device = _device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and not isinstance(self.transport, CopyTransport):
+            raise UsageError(f"--device with --transport {self.transport.name}", str(self.device),
+                             "cpu (the transports move host memory)")
         L = self.layout
         if head_map is not None:
             head_map = list(head_map)
