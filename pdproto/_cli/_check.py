@@ -12,6 +12,11 @@ from ..spec._history import POLICIES
 from . import EXIT_OK, EXIT_VIOLATION, positive_int
 from ._args import check_output_path, esc, print_json
 
+#: exit code of a search that a limit (--max-states, --max-seconds) stopped
+#: before it was exhaustive and that found nothing so far: not clean, not a
+#: violation (a violation found is 1 whatever stopped the search)
+EXIT_PARTIAL = 3
+
 GRAPH_LIMIT = 20_000
 #: with --backend torch: the search stops here unless --max-states says otherwise ...
 BACKEND_DEFAULT_STATES = 200_000
@@ -29,7 +34,9 @@ def add_parser(sub: Any) -> None:
             "Explore every reachable state of a handoff model (breadth-first over the model "
             "state and the monitor's verdict state) and report violations with shortest "
             "counterexamples, deadlocks, and unreachable 'sometimes' properties.  Exit 0 "
-            "clean, 1 violation or deadlock, 2 bad input."
+            "clean, 1 violation or deadlock, 2 bad input, 3 partial: --max-states or "
+            "--max-seconds stopped the search before it was exhaustive and nothing was found "
+            "so far."
         ),
     )
     p.add_argument(
@@ -57,7 +64,16 @@ def add_parser(sub: Any) -> None:
                    help="with --chunks N (N >= 2): chunk i moves layer i of N layers, every position")
     p.add_argument("--block-size", type=positive_int, metavar="N", help="tokens per KV block")
     p.add_argument("--prompt-len", type=positive_int, metavar="N", help="prompt length of every request")
-    p.add_argument("--max-states", type=positive_int, metavar="N", help="stop after N distinct states")
+    p.add_argument("--max-states", type=positive_int, metavar="N",
+                   help="stop after N distinct states (a partial report; exit 3 when nothing was found)")
+    p.add_argument("--max-seconds", type=_seconds, metavar="S",
+                   help="stop after S seconds (a partial report; exit 3 when nothing was found)")
+    p.add_argument("--workers", type=positive_int, metavar="N",
+                   help="explore on N worker processes, states partitioned by hash (same answers as "
+                   "the serial search; see docs/scaling.md)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="explore on Ray actors (--workers of them, default 2): a local Ray instance, "
+                   "or the cluster at ADDRESS (auto, ray://HEAD:10001); needs pdproto[ray]")
     p.add_argument("--fingerprint", action="store_true",
                    help="keep 64-bit fingerprints instead of states (less memory; prints the "
                    "probability that a hash collision hid a state)")
@@ -102,6 +118,11 @@ def run(args: argparse.Namespace, console: Any) -> int:
         raise UsageError("--graph", args.graph, "a file name ending in .graphml or .dot")
     if args.graph is not None and args.fingerprint:
         raise UsageError("--graph with --fingerprint", args.graph, "exact mode (drop --fingerprint)")
+    parallel = args.workers is not None or args.ray is not None
+    if parallel and args.graph is not None:
+        raise UsageError("--graph with --workers/--ray", args.graph, "a serial search (drop --workers/--ray)")
+    if parallel and args.backend is not None:
+        raise UsageError("--backend with --workers/--ray", args.backend, "a serial search (drop --workers/--ray)")
     check_output_path(args.out, "--out")  # before the run, not at its end
     check_output_path(args.graph, "--graph")
     backend_opts = _backend_options(args)
@@ -133,6 +154,9 @@ def run(args: argparse.Namespace, console: Any) -> int:
             keep_graph=args.graph is not None,
             graph_limit=GRAPH_LIMIT,
             stop_on_first=not args.keep_going,
+            max_seconds=args.max_seconds,
+            workers=args.workers,
+            ray=None if args.ray is None else (args.ray or True),
         )
     finally:
         if live is not None:
@@ -164,10 +188,26 @@ def run(args: argparse.Namespace, console: Any) -> int:
             obj["graph"] = args.graph
         if args.no_monitor:
             obj["monitor"] = False
+        if parallel:
+            obj["workers"] = args.workers if args.workers is not None else 2
+            obj["ray"] = args.ray or True if args.ray is not None else False
         print_json(obj, console.file)
     else:
         _report(console, result, info, written, args, backend_opts)
-    return EXIT_OK if result.ok else EXIT_VIOLATION
+    if not result.ok:
+        return EXIT_VIOLATION
+    return EXIT_PARTIAL if result.truncated else EXIT_OK
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0 (ASCII digits, one dot)."""
+    import math
+
+    ok = bool(text) and text.isascii() and text.replace(".", "", 1).isdigit()
+    value = float(text) if ok else math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
 
 
 def _backend_options(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -281,11 +321,12 @@ def _list(args: argparse.Namespace, console: Any, models: list) -> int:
 
 
 def _progress(args: argparse.Namespace) -> tuple[Any, Any]:
-    """A live status line on stderr (only on a terminal)."""
+    """A live status line on stderr: only on a terminal, never with --json
+    (nor when stdout is not a terminal: the output goes to a file or a pipe)."""
     from rich.console import Console
 
     err = Console(stderr=True, highlight=False)
-    if not err.is_terminal:
+    if args.json or not err.is_terminal or not sys.stdout.isatty():
         return None, None
     from rich.live import Live
     from rich.text import Text
@@ -294,15 +335,43 @@ def _progress(args: argparse.Namespace) -> tuple[Any, Any]:
     live.start()
 
     def progress(info: dict[str, Any]) -> None:
-        sec = info["seconds"]
-        rate = info["states"] / sec if sec > 0 else 0.0
-        live.update(Text(
-            f"exploring: {info['states']:,} states, {info['transitions']:,} transitions, "
-            f"depth {info['depth']}, queue {info['queue']:,}, {rate:,.0f} states/s, {sec:.1f} s"
-            + (f", {info['violations']} counterexample(s)" if info["violations"] else "")
-        ))
+        live.update(Text(progress_line(info)))
 
     return progress, live
+
+
+def progress_line(info: dict[str, Any]) -> str:
+    """One status line from an explorer progress dict: states, states/s,
+    transitions, level, frontier, memory, and an ETA when the level sizes
+    shrink steadily (the rest of the search then is about their geometric
+    tail)."""
+    sec = info["seconds"]
+    rate = info["states"] / sec if sec > 0 else 0.0
+    parts = [f"exploring: {info['states']:,} states ({rate:,.0f}/s)", f"{info['transitions']:,} transitions",
+             f"level {info.get('level', info['depth'])}", f"frontier {info.get('frontier', info['queue']):,}"]
+    if info.get("memory"):
+        parts.append(f"{info['memory'] / 2**20:,.0f} MiB")
+    if info.get("workers"):
+        parts.append(f"{info['workers']} workers")
+    eta = _eta(info.get("levels") or [], rate)
+    if eta is not None:
+        parts.append(f"ETA {eta:,.0f} s")
+    parts.append(f"{sec:.1f} s")
+    text = ", ".join(parts)
+    if info["violations"]:
+        text += f", {info['violations']} counterexample(s)"
+    return text
+
+
+def _eta(levels: list[int], rate: float) -> float | None:
+    """Seconds left, when the last three levels shrink (ratio r < 1): the
+    levels to come are about last * (r + r^2 + ...)."""
+    if len(levels) < 3 or rate <= 0 or not (levels[-1] < levels[-2] < levels[-3]):
+        return None
+    r = max(levels[-1] / levels[-2], levels[-2] / levels[-3])
+    if r >= 1:
+        return None
+    return levels[-1] * r / (1 - r) / rate
 
 
 def _event_text(ev: Any) -> str:
@@ -330,8 +399,8 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
     if info.has_expected:
         table.add_row("expected", info.expected or "no violation (correct model)")
     table.add_row("distinct states", f"{result.states:,}" + ("" if result.complete else
-                  (" (truncated by --max-states: not exhaustive)" if result.truncated
-                   else " (stopped at the first counterexample)")))
+                  (f" (partial: stopped by --{(result.stopped_by or 'max_states').replace('_', '-')}, "
+                   "not exhaustive)" if result.truncated else " (stopped at the first counterexample)")))
     if result.truncated and backend_opts is not None and args.max_states is None:
         table.add_row("", f"[yellow]--backend torch stops at {BACKEND_DEFAULT_STATES:,} states unless "
                       f"--max-states (at most {BACKEND_MAX_STATES:,})[/]")
@@ -340,6 +409,10 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
     sps = result.states_per_second
     table.add_row("time", f"{result.seconds:.2f} s ({sps:,.0f} states/s)")
     table.add_row("symmetry", result.symmetry)
+    if args.workers is not None or args.ray is not None:
+        where = "Ray actors" + (f" at {args.ray}" if args.ray else " (local Ray)") if args.ray is not None \
+            else "worker processes"
+        table.add_row("parallel", f"{args.workers or 2} {where}, level-synchronous (docs/scaling.md)")
     if args.no_monitor:
         table.add_row("monitor", "off (the model's own invariants and sometimes only)")
     if backend_opts is not None:

@@ -244,6 +244,7 @@ class _Search:
         self.frontier: deque = deque()
         self.bfront: deque | None = deque() if backend is not None else None  # data backends of the frontier
         self.peak_frontier = self.transitions = self.depth = 0
+        self.levels: list[int] = []  # states per level, as far as the search got
         self.stopped = self.truncated = False
         self.t0 = self.next_report = self.seconds = 0.0
 
@@ -305,9 +306,11 @@ class _Search:
         frontier, bfront, actions_of, scls = self.frontier, self.bfront, self.model.actions, self.scls
         scls_is_tuple, tnew = scls is tuple, tuple.__new__
         level_end, expanded = len(self.parents), 0
+        self.levels.append(level_end)
         while frontier:
             if expanded == level_end:
                 self.depth += 1
+                self.levels.append(len(self.parents) - level_end)
                 level_end = len(self.parents)
                 self.peak_frontier = max(self.peak_frontier, len(frontier))
             entry = frontier.popleft()
@@ -511,6 +514,7 @@ class _Search:
                 "level": self.depth,
                 "frontier": len(self.frontier),
                 "memory": _rss(),
+                "levels": self.levels,
             })
         return False
 
