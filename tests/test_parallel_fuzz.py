@@ -104,21 +104,43 @@ def test_no_seed_draws_one_that_repeats_the_run():
     assert _untimed(first) == _untimed(again)
 
 
-def test_one_database_replays_a_workers_failure_first(tmp_path):
-    """A failure one worker saved is replayed from the shared database by the
-    next run (serial or parallel, any seed) before anything is generated (the
-    walk steers by the states it has seen, so a replay does not always fail
-    at once: the reuse phase runs, not always alone)."""
+def test_one_database_replays_a_workers_failure_first(tmp_path, monkeypatch):
+    """A failure a worker saved is fetched from the shared database, and
+    replayed, by every worker of the next run (serial or parallel, any seed)
+    before anything is generated; a run on another directory fetches nothing."""
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    log = tmp_path / "fetched"
+    fetch = DirectoryBasedExampleDatabase.fetch
+
+    def logged(self, key):
+        values = list(fetch(self, key))
+        with open(log, "a") as f:  # the workers are forked: they inherit this, and append
+            f.write(f"{os.getpid()} {len(values)}\n")
+        yield from values
+
+    monkeypatch.setattr(DirectoryBasedExampleDatabase, "fetch", logged)
+
+    def fetched():
+        lines = log.read_text().split() if log.exists() else []
+        log.unlink(missing_ok=True)
+        per_pid = {}
+        for pid, n in zip(lines[::2], lines[1::2]):
+            per_pid[pid] = per_pid.get(pid, 0) + int(n)
+        return sorted(per_pid.values())
+
     db = str(tmp_path / "db")
     model, _ = load_model("restart-without-fencing")
     first = fuzz(model, examples=50, steps=100, seed=0, database=db, workers=2)
     assert first.violation is not None and os.listdir(db)
+    assert fetched() == [0, 0]
     for workers in (1, 2):
         later = fuzz(model, examples=50, steps=100, seed=99, database=db, workers=workers)
         assert later.violation.invariant == first.violation.invariant
-        assert later.counters["phase_seconds"]["reuse"] > 0
-    never_saved = fuzz(model, examples=50, steps=100, seed=99, database=str(tmp_path / "other"))
-    assert never_saved.counters["phase_seconds"]["reuse"] == 0
+        counts = fetched()
+        assert len(counts) == workers and min(counts) >= 1
+    fuzz(model, examples=5, steps=100, seed=99, database=str(tmp_path / "other"), workers=2)
+    assert fetched() == [0, 0]
 
 
 def test_cli_workers_json_and_out(tmp_path, capsys, monkeypatch):

@@ -304,13 +304,6 @@ def fuzz(
     cluster's address); see :mod:`pdproto.drivers._parallel_fuzz`.
     Whatever Hypothesis prints is swallowed.
     """
-    if workers != 1 or ray is not False:
-        from ._parallel_fuzz import fuzz_parallel
-
-        return fuzz_parallel(model, workers=workers if workers != 1 or ray is False else None, ray=ray,
-                             examples=examples, steps=steps, seed=seed, out=out, database=database,
-                             backend=backend, coverage_states=coverage_states, name=name,
-                             expected=expected, stats=stats, explain=explain)
     from ._machine import run_machine
 
     out_path = os.fspath(out) if out is not None else None
@@ -318,6 +311,13 @@ def fuzz(
         raise UsageError("out", out_path, "a file in an existing directory")
     name = name if name is not None else getattr(model, "name", type(model).__name__)
     stats = stats if stats is not None else FuzzStats()
+    if workers != 1 or ray is not False:
+        from ._parallel_fuzz import fuzz_parallel
+
+        return fuzz_parallel(model, dict(
+            examples=examples, steps=steps, seed=seed, out=out_path, database=database, backend=backend,
+            coverage_states=coverage_states, name=name, expected=expected, stats=stats, explain=explain,
+        ), workers=workers if workers != 1 or ray is False else None, ray=ray)
     if coverage_states is not None:
         stats.reachable = reachable_states(model, max_states=coverage_states)
     identity = f"pdproto-fuzz:{name}:{getattr(model, 'config', None)!r}"

@@ -34,13 +34,13 @@ import os
 import random
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import attrs
 
 from .._errors import PdprotoError, UsageError
 from ..spec._history import write_history
-from ._fuzz import DEFAULT_DATABASE, PHASE_NAMES, FuzzResult, FuzzStats, HandoffFailure, reachable_states
+from ._fuzz import PHASE_NAMES, FuzzResult, FuzzStats, HandoffFailure, reachable_states
 
 
 class FuzzWorkerError(PdprotoError):
@@ -211,40 +211,23 @@ def merge(results: Sequence[FuzzResult], shares: Sequence[Share], *, workers: in
                       failure=failure, stats=merged)
 
 
-def fuzz_parallel(
-    model: Any,
-    *,
-    workers: int | None = None,
-    ray: bool | str = False,
-    examples: int = 200,
-    steps: int = 300,
-    seed: int | None = None,
-    out: str | os.PathLike[str] | None = None,
-    database: str | None = DEFAULT_DATABASE,
-    backend: Callable[[Any], Any] | None = None,
-    coverage_states: int | None = None,
-    name: str | None = None,
-    expected: str | None = None,
-    stats: FuzzStats | None = None,
-    explain: bool = False,
-) -> FuzzResult:
-    """:func:`~pdproto.fuzz` with its budget split over ``workers`` worker
-    processes, or Ray tasks with ``ray`` (True: a local Ray instance, or the
-    address of a cluster; ``workers`` defaults to the cluster's CPUs then).
-    The arguments are :func:`~pdproto.fuzz`'s; ``stats`` is filled in at the
-    end (the workers count in their own processes)."""
-    out_path = os.fspath(out) if out is not None else None
-    if out_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(out_path))):
-        raise UsageError("out", out_path, "a file in an existing directory")
+def fuzz_parallel(model: Any, arguments: dict[str, Any], *, workers: int | None = None,
+                  ray: bool | str = False) -> FuzzResult:
+    """:func:`~pdproto.fuzz` (``arguments``: its keyword arguments, all of
+    them, ``out`` checked and ``name`` and ``stats`` set) with its budget
+    split over ``workers`` worker processes, or Ray tasks with ``ray`` (True:
+    a local Ray instance, or the address of a cluster; ``workers`` defaults
+    to the cluster's CPUs then).  ``stats`` is filled in at the end (the
+    workers count in their own processes)."""
     if workers is not None and workers < 1:
         raise UsageError("workers", workers, "an integer >= 1")
-    name = name if name is not None else getattr(model, "name", type(model).__name__)
-    seed = seed if seed is not None else random.SystemRandom().getrandbits(32)
+    examples, database, name = arguments["examples"], arguments["database"], arguments["name"]
+    out_path, expected, coverage_states = arguments["out"], arguments["expected"], arguments["coverage_states"]
+    seed = arguments["seed"] if arguments["seed"] is not None else random.SystemRandom().getrandbits(32)
     reachable = reachable_states(model, max_states=coverage_states) if coverage_states is not None else None
-    options = {"steps": steps, "out": None, "backend": backend, "name": name, "expected": expected,
-               "explain": explain,
-               # one directory for every worker, wherever it runs from
-               "database": None if database is None else os.path.abspath(database)}
+    options = {key: arguments[key] for key in ("steps", "backend", "name", "expected", "explain")}
+    # one directory for every worker, wherever it runs from
+    options.update(out=None, database=None if database is None else os.path.abspath(database))
     t0 = time.perf_counter()
     if ray is not False:
         from ._ray_fuzz import run_ray
@@ -258,7 +241,7 @@ def fuzz_parallel(
         results = run_processes(model, shares, options)
     seconds = time.perf_counter() - t0
     result = merge(results, shares, workers=workers, seed=seed, seconds=seconds, name=name,
-                   expected=expected, reachable=reachable, stats=stats, out=out_path)
+                   expected=expected, reachable=reachable, stats=arguments["stats"], out=out_path)
     if result.failure is not None and out_path is not None:
         write_history(out_path, result.failure.events, result.failure.header)
     return result
