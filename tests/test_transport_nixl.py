@@ -256,3 +256,11 @@ def test_check_and_fuzz_with_the_nixl_transport_find_the_corruption(capsys):
     assert main(["fuzz", "p-frees-source-on-timer", "--backend", "torch", "--transport", "nixl", "--examples", "30",
                  "--seed", "1", "--no-database", "--json"]) == 1
     assert not json.loads(capsys.readouterr().out)["ok"]
+
+
+@pytest.mark.parametrize("name", ["early-source-free", "commit-before-ready", "early-target-reuse", "clean-pull"])
+def test_eager_timing_under_nixl_matches_copy(name, nixl):
+    """Posted at transfer_start and waited for: the library lands what copy_
+    lands, and the race windows close as they do under copy (docs/replay.md)."""
+    path = os.path.join(EXAMPLES, name + ".jsonl")
+    assert verdicts(replay(path, transport=nixl, timing="eager")) == verdicts(replay(path, timing="eager"))

@@ -44,6 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="how transfers move KV between pools: copy (default, Tensor.copy_), nixl (NIXL "
                    "agents over UCX on host memory; pdproto[nixl]) or mooncake (Mooncake's transfer engine "
                    "over TCP on loopback; pdproto[mooncake]); see docs/replay.md")
+    p.add_argument("--transfer-timing", choices=("adversarial", "eager"), default=None,
+                   help="when a transfer's bytes move: adversarial (default: read at transfer_read_done, "
+                   "written at transfer_write_done, the latest) or eager (posted at transfer_start and "
+                   "complete before the next event, as a transfer library on an idle host)")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
                    help="KV dtype (default: the header's kv.dtype, else bfloat16)")
     p.add_argument("--scale", default=None, choices=SCALE_CHOICES,
@@ -87,7 +91,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 #: replay flags that configure the KV buffers, and so mean nothing with --adapter
 KV_ONLY = ("dtype", "scale", "layout", "tp", "layers", "kv_heads", "head_dim", "block_size", "max_memory",
-           "model", "transport")
+           "model", "transport", "transfer_timing")
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
@@ -100,7 +104,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         layout=args.layout, scale=args.scale,
         policy=args.policy, complete=args.complete, skip=skip,
         max_line_bytes=args.max_line_bytes, max_memory=args.max_memory, threads=args.threads,
-        model=args.model, transport=args.transport,
+        model=args.model, transport=args.transport, timing=args.transfer_timing or "adversarial",
     )
     return print_result(result, args.json, lambda: _print_report(console, args.file, result))
 

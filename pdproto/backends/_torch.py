@@ -136,6 +136,8 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
 FP8 = ("float8_e4m3fn", "float8_e5m2")
 SCALES = ("per-tensor", "per-block", "per-head")
 LAYOUTS = ("mha", "mla")
+#: when a transfer's bytes move (TorchBackend(timing=...), pdproto replay --transfer-timing)
+TIMINGS = ("adversarial", "eager")
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16",
                   "float": "float32", "fp64": "float64", "double": "float64",
                   "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
@@ -534,7 +536,12 @@ class TorchBackend:
     reports.  ``transport``: how transfers move KV between pools, ``"copy"``
     (default), ``"nixl"``, ``"mooncake"`` or a
     :class:`~pdproto.backends._transport.Transport` (shared by the backend's
-    copies; see docs/replay.md, "Transports").
+    copies; see docs/replay.md, "Transports").  ``timing``: ``"adversarial"``
+    (default: a transfer reads at ``transfer_read_done`` and its writes land
+    at ``transfer_write_done``, the latest they can) or ``"eager"`` (it is
+    posted at ``transfer_start`` and the replay waits for it to complete
+    before the next event: the earliest, as a transfer library on an idle
+    host does).
     """
 
     def __init__(
@@ -557,6 +564,7 @@ class TorchBackend:
         max_memory: int | None = DEFAULT_MAX_MEMORY,
         clock: Callable[[], float] | None = None,
         transport: str | Transport | None = None,
+        timing: str = "adversarial",
     ) -> None:
         header = header if header is not None else HistoryHeader()
         kv = getattr(header, "kv", None)
@@ -583,6 +591,9 @@ class TorchBackend:
         )
         self.header = header
         self.transport = make_transport(transport)
+        if timing not in TIMINGS:
+            raise UsageError("--transfer-timing", timing, "one of " + ", ".join(TIMINGS))
+        self.timing = timing
         self._pull = getattr(header, "policy", "push") == "pull"
         self._recompute = getattr(header, "boundary", "sampled") == "recompute"
         self.tp = parse_tp(tp)
@@ -2160,6 +2171,9 @@ class TorchBackend:
         self._worker(ev.dst, "decode", ev.dst_blocks)
         for b in set(ev.dst_blocks):
             self._writers.setdefault((ev.dst, b), set()).add(ev.transfer)
+        if self.timing == "eager":  # posted now, done before the next event
+            self._read(t, line)
+            self._write(t, line)
 
     def _on_transfer_read_done(self, ev: TransferReadDone, line: int) -> None:
         t = self._xfers.get(ev.transfer)

@@ -168,6 +168,7 @@ def replay(
     threads: int | None = 1,
     model: Any = None,
     transport: Any = None,
+    timing: str = "adversarial",
 ) -> ReplayResult:
     """Replay the history at ``path`` (``"-"``: standard input) on one paged
     KV pool per worker, with the monitor judging it.
@@ -196,11 +197,16 @@ def replay(
     (default, ``Tensor.copy_``), ``"nixl"`` (NIXL agents over UCX on host
     memory; the ``nixl`` extra) or ``"mooncake"`` (Mooncake's transfer
     engine over TCP on loopback; the ``mooncake`` extra), or a transport
-    object (reused; the caller closes it).  See docs/replay.md."""
+    object (reused; the caller closes it).  ``timing``: ``"adversarial"``
+    (default: a transfer's bytes move at its read_done and write_done, the
+    latest) or ``"eager"`` (posted at transfer_start and complete before the
+    next event, the earliest).  See docs/replay.md."""
     tb = load_torch_backend()
     own = isinstance(transport, str) and transport != "copy"
     if model is not None and transport not in (None, "copy"):
         raise UsageError("--transport with --model", transport, "copy (the model backend moves KV itself)")
+    if model is not None and timing != "adversarial":
+        raise UsageError("--transfer-timing with --model", timing, "adversarial")
     tr = load_transport(transport) if transport is not None else None
     mb = None
     if model is not None:
@@ -219,7 +225,7 @@ def replay(
         torch.set_num_threads(threads)
     try:
         return _replay(tb, path, device, dtype, tp, layers, kv_heads, head_dim, block_size, layout, scale,
-                       policy, complete, skipped, max_line_bytes, max_memory, mb, model, threads, tr)
+                       policy, complete, skipped, max_line_bytes, max_memory, mb, model, threads, tr, timing)
     finally:
         if threads is not None:
             torch.set_num_threads(before)
@@ -231,7 +237,7 @@ def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | Non
             layers: int | None, kv_heads: int | None, head_dim: int | None, block_size: int | None,
             layout: str | None, scale: str | None, policy: str | None, complete: bool, skipped: Any,
             max_line_bytes: int, max_memory: int | None, mb: Any = None, model: Any = None,
-            threads: int | None = 1, transport: Any = None) -> ReplayResult:
+            threads: int | None = 1, transport: Any = None, timing: str = "adversarial") -> ReplayResult:
     with open_history(os.fspath(path), max_line_bytes=max_line_bytes) as reader:
         monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
         limit = {} if max_memory is None else {"max_memory": max_memory}  # default: the backend's
@@ -244,7 +250,8 @@ def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | Non
             backend = tb.TorchBackend(reader.header, device=device, dtype=dtype,
                                       tp=None if tp is None else tb.parse_tp(tp), layers=layers,
                                       kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                                      layout=layout, scale=scale, transport=transport, **limit)
+                                      layout=layout, scale=scale, transport=transport, timing=timing,
+                                      **limit)
         feed, apply = monitor.feed, backend.apply
         for line, event in reader:
             feed(event, line)
@@ -285,6 +292,7 @@ def _backend_info(backend: Any) -> dict[str, Any]:
         "bytes_verified": backend.bytes_verified,
         "memory": backend.memory,
         "transport": backend.transport.name,
+        "timing": backend.timing,
         "workers": {name: {"role": w.role, "tp": w.tp, "pp": w.pp, "blocks": w.nblocks}
                     for name, w in sorted(backend._workers.items())},
     }
