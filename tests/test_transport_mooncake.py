@@ -17,13 +17,18 @@ try:
 except ImportError as exc:  # not installed, or installed without libibverbs.so.1
     pytest.skip(f"the mooncake engine does not load here: {exc}", allow_module_level=True)
 
-from conftest import EXAMPLES  # noqa: E402
+from conftest import EXAMPLES, ROOT  # noqa: E402
 
 from pdproto.backends._mooncake import MooncakeTransport  # noqa: E402
 from pdproto.backends._transport import BlockMove, Transfer  # noqa: E402
 from pdproto.drivers._replay import replay  # noqa: E402
+from pdproto.spec._history import write_history  # noqa: E402
 
 EXAMPLE_FILES = sorted(glob.glob(os.path.join(EXAMPLES, "*.jsonl")))
+MUTANTS = sorted(
+    os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "models", "*.py"))
+    if not os.path.basename(p).startswith("_") and "EXPECTED = None" not in open(p, encoding="utf-8").read()
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +51,20 @@ def test_example_has_the_same_verdicts_under_mooncake(path, mooncake):
     now = mooncake.statistics()
     if plain.backend["bytes_copied"]:
         assert now.transfers + now.aborts > before.transfers + before.aborts
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_counterexample_has_the_same_verdicts_under_mooncake(name, mooncake, tmp_path):
+    from pdproto.drivers._explore import explore, trace_header
+    from pdproto.drivers._loader import load_model
+
+    model, _info = load_model(os.path.join(ROOT, "models", name + ".py"))
+    res = explore(model, stop_on_first=True)
+    if not res.failures:
+        pytest.skip(f"{name}: no counterexample history")
+    path = str(tmp_path / f"{name}.jsonl")
+    write_history(path, res.failures[0].events, trace_header(res.header, res.failures[0]))
+    assert verdicts(replay(path, transport=mooncake)) == verdicts(replay(path))
 
 
 @pytest.mark.parametrize("pull", [True, False], ids=["pull", "push"])
