@@ -3,13 +3,15 @@ of the budget (:mod:`._parallel_fuzz`) runs as one Ray task of one CPU.
 
 Ray is imported only here, and only when a run asks for it.  Without an
 address this joins the Ray instance the process already started, or the
-cluster ``RAY_ADDRESS`` names, or starts a local one (and shuts down what it
-started).  The model goes to the object store once, pickled by Ray (a
+cluster ``RAY_ADDRESS`` names, or starts a local one of ``workers`` CPUs
+(all of the machine's without ``workers``), and shuts down what it
+started.  The model goes to the object store once, pickled by Ray (a
 :class:`~pdproto.HandoffModel` as its class and configuration, rebuilt in
-each task: :func:`~._parallel_fuzz.portable`); each task sends back its
-whole :class:`~pdproto.drivers.FuzzResult`, distinct states included.  The example database is a directory on each node: on a
-cluster, tasks on other machines share it only when it is on a shared file
-system.
+each task: :func:`~._parallel_fuzz.portable`; a model file that is not an
+importable module by value); each task sends back its whole
+:class:`~pdproto.drivers.FuzzResult`, distinct states included.  The
+example database is a directory on each node: on a cluster, tasks on other
+machines share it only when it is on a shared file system.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from .._errors import MissingExtraError, UsageError
 from ._fuzz import FuzzResult
 from ._parallel_fuzz import FuzzWorkerError, Share, plan, portable, run_share
+from ._ray import _by_value
 
 
 def import_ray() -> Any:
@@ -37,8 +40,11 @@ def run_ray(model: Any, examples: int, workers: int | None, seed: int, options: 
     ray = import_ray()
     started = not ray.is_initialized()
     if started:
+        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
+        if address is None and workers is not None:
+            kw["num_cpus"] = workers  # a local instance of one CPU per worker (as check --ray)
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+            ray.init(address=address, **kw)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = address or "a local instance"
             raise UsageError("--ray", where, f"a Ray cluster to join or start ({type(exc).__name__}: "
@@ -47,6 +53,7 @@ def run_ray(model: Any, examples: int, workers: int | None, seed: int, options: 
         if workers is None:
             workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
         shares = plan(examples, workers, seed)
+        _by_value(model)  # a model file that is not an importable module travels by value
         task = ray.remote(num_cpus=1, max_retries=0)(run_share)
         model_ref = ray.put(portable(model))
         refs = [task.remote(model_ref, share, options) for share in shares]
