@@ -17,8 +17,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "audit",
         help="check a history file (JSON Lines) against the handoff invariants",
         description=(
-            "Read a history (format v1, JSON Lines; '-' reads standard input) and report "
+            "Read a history (format 1 or 1.1, JSON Lines; '-' reads standard input) and report "
             "every violated invariant with its line and the earlier lines that set it up. "
+            "A partial history (its header's observed, or --observed) is judged only on the "
+            "invariants its observed event kinds can prove; the others are listed as not judged. "
             "Exit 0 when clean, 1 when an invariant is violated, 2 when the input is "
             "malformed or unreadable."
         ),

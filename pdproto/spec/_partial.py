@@ -222,7 +222,7 @@ class PartialMonitor(Monitor):
             held = self._held(ev.request, ev.gen, worker) if self._own else ()
             if held:
                 Monitor._on_free(self, attrs.evolve(ev, blocks=held), line)
-            elif ev.request is not None:
+            elif ev.request is not None and not self._own:  # (with ownership seen: nothing held, nothing freed)
                 self._early_by_request(ev, line)
         else:
             unowned = []
