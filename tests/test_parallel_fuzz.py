@@ -261,3 +261,28 @@ def test_plugin_under_xdist(pytester):
                                            "-p", "no:cacheprovider")
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["*2 workers*"])
+
+
+def test_a_worker_that_crashes_is_named(capsys, tmp_path, monkeypatch):
+    """A model that raises (not a violation) in a worker: FuzzWorkerError
+    naming the worker and the error, one line from the CLI (exit 2)."""
+    from pdproto.drivers._parallel_fuzz import FuzzWorkerError
+
+    model, _ = load_model("reference")
+
+    class Broken(type(model)):
+        def step(self, state, action):
+            raise RuntimeError("boom in step")
+
+    with pytest.raises(FuzzWorkerError) as exc:
+        fuzz(Broken(model.config), examples=2, steps=20, seed=0, database=None, workers=2)
+    assert exc.value.worker == 0 and "boom in step" in str(exc.value)
+    assert "Traceback" in exc.value.detail
+    monkeypatch.chdir(tmp_path)
+    broken = tmp_path / "broken_model.py"
+    broken.write_text("from pdproto import HandoffModel\n\nclass Broken(HandoffModel):\n"
+                      "    def step(self, state, action):\n        raise RuntimeError('boom in step')\n\n"
+                      "model = Broken()\n")
+    assert main(["fuzz", str(broken), "--workers", "2", "--examples", "2", "--steps", "20", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "worker 0" in err[0] and "RuntimeError: boom in step" in err[0]

@@ -47,11 +47,18 @@ class FuzzWorkerError(PdprotoError):
     """A worker of a parallel fuzz run failed with something other than a
     violation: ``worker`` its number, ``detail`` its traceback."""
 
-    def __init__(self, worker: int, detail: str) -> None:
+    def __init__(self, worker: int, detail: str, summary: str | None = None) -> None:
         self.worker = worker
         self.detail = detail
         lines = detail.strip().splitlines()
-        super().__init__(f"fuzz worker {worker} failed: {lines[-1] if lines else '?'}")
+        #: the error in one line (``Type: message``)
+        self.summary = summary or (lines[-1] if lines else "?")
+        super().__init__(f"fuzz worker {worker} failed: {self.summary}")
+
+
+def _summary(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def split_examples(examples: int, workers: int) -> list[int]:
@@ -112,12 +119,12 @@ def run_share(model: Any, share: Share, options: dict[str, Any]) -> FuzzResult:
 def _child(conn: Any, model: Any, share: Share, options: dict[str, Any]) -> None:
     try:
         reply = (True, run_share(model, share, options))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        reply = (False, traceback.format_exc())
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        reply = (False, (traceback.format_exc(), _summary(exc)))
     try:
         conn.send(reply)
-    except Exception:  # noqa: BLE001 - e.g. a result that does not pickle
-        conn.send((False, traceback.format_exc()))
+    except Exception as exc:  # noqa: BLE001 - e.g. a result that does not pickle
+        conn.send((False, (traceback.format_exc(), _summary(exc))))
     conn.close()
 
 
@@ -144,9 +151,9 @@ def run_processes(model: Any, shares: Sequence[Share], options: dict[str, Any]) 
             try:  # receive before join: a large reply fills the pipe
                 ok, value = conn.recv()
             except EOFError:
-                ok, value = False, f"worker process exited (code {p.join() or p.exitcode})"
+                ok, value = False, ("", f"the worker process exited (code {p.join() or p.exitcode})")
             if not ok:
-                raise FuzzWorkerError(share.worker, value)
+                raise FuzzWorkerError(share.worker, *value)
             replies.append(value)
         return replies
     finally:

@@ -20,7 +20,7 @@ from typing import Any
 
 from .._errors import MissingExtraError, UsageError
 from ._fuzz import FuzzResult
-from ._parallel_fuzz import FuzzWorkerError, Share, plan, portable, run_share
+from ._parallel_fuzz import FuzzWorkerError, Share, _summary, plan, portable, run_share
 from ._ray import _by_value
 
 
@@ -64,7 +64,9 @@ def run_ray(model: Any, examples: int, workers: int | None, seed: int, options: 
             except ray.exceptions.RayError as exc:
                 for other in refs:
                     ray.cancel(other, force=True)
-                raise FuzzWorkerError(share.worker, str(exc)) from None
+                cause = getattr(exc, "cause", None)  # a task's own exception
+                summary = _summary(cause) if isinstance(cause, BaseException) else None
+                raise FuzzWorkerError(share.worker, str(exc), summary) from None
         return results, shares
     finally:
         if started:
