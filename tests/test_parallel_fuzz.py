@@ -286,3 +286,14 @@ def test_a_worker_that_crashes_is_named(capsys, tmp_path, monkeypatch):
     assert main(["fuzz", str(broken), "--workers", "2", "--examples", "2", "--steps", "20", "--json"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "worker 0" in err[0] and "RuntimeError: boom in step" in err[0]
+
+
+def test_coverage_of_the_merged_states(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["fuzz", "p-frees-source-on-timer", "--mode", "pull", "--faults", "none", "--examples", "6",
+                 "--steps", "50", "--seed", "1", "--coverage-exhaustive", "--json", "--no-database",
+                 "--workers", "2"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["workers"] == 2 and r["reachable_states"]
+    assert r["coverage"] == round(r["distinct_states"] / r["reachable_states"], 5)
+    assert r["distinct_states"] >= max(w["distinct_states"] for w in r["worker_runs"])
