@@ -1,7 +1,8 @@
 """How fast the explorer runs, and what a stored state costs.
 
-    python benchmarks/explore_speed.py           # full run (a few minutes)
+    python benchmarks/explore_speed.py           # full run (a quarter of an hour)
     python benchmarks/explore_speed.py --quick   # CI smoke (seconds)
+    python benchmarks/explore_speed.py --parallel-only   # the parallel section alone
 
 Prints distinct states per second on a model whose step is nearly free
 (benchmarks/toy_model.py: the explorer's own overhead; a plain Python BFS
@@ -24,6 +25,15 @@ Bytes per state, two measures:
   set, of every stored key and interned part, the link arrays; in
   fingerprint mode the hash table and the links).  It leaves out the
   frontier and the monitor's tables.
+
+Parallel (docs/scaling.md): serial, ``workers=2`` and Ray with 2 actors on
+the same configuration (toy 4x31, 1,048,576 states, and the reference
+model), each in a fresh process, as states/s and speed-up over serial, with
+the machine's load average (a shared machine gives no clean figure).  For a
+parallel run the RSS is that of the worker processes together (peak growth
+after the seed / states).  Then one search of more than 10 million states in
+fingerprint mode (toy 4x56: 57**4 = 10,556,001 states) on 2 workers, with
+its peak memory (full run only).
 """
 
 from __future__ import annotations
@@ -82,16 +92,35 @@ def _child(spec: dict) -> dict:
     gc.collect()
     base = _rss()
     peak = [base]
+    workers = spec.get("workers")
+    ray = spec.get("ray")
+    if ray:
+        import ray as ray_mod
+
+        ray_mod.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    wpeak: list[int] = []
+
+    def progress(info: dict) -> None:
+        if workers:
+            if info.get("memory"):
+                wpeak.append(info["memory"])
+        else:
+            peak.append(_rss())
+
     r = explore(model, symmetry=spec.get("symmetry", False), fingerprint=spec["fingerprint"],
                 freeze_gc=spec.get("freeze_gc", True), max_states=spec.get("max_states"),
-                intern=spec.get("intern", True),
-                progress=lambda info: peak.append(_rss()), progress_interval=0.02)
+                intern=spec.get("intern", True), workers=workers, ray=ray or None,
+                progress=progress, progress_interval=0.02 if not workers else 0.0)
     peak.append(_rss())
+    if ray:
+        ray_mod.shutdown()
+    if workers and wpeak:  # the workers' RSS together: growth from the first report (after the seed)
+        base, peak = wpeak[0], [wpeak[0]] + wpeak
     return {
         "model": r.model, "states": r.states, "seconds": r.seconds, "sps": r.states_per_second,
         "rss_bps": (max(peak) - base) / r.states, "stored_bps": r.bytes_per_state,
         "collision": r.collision_probability, "memory": dict(r.memory or {}), "symmetry": r.symmetry,
-        "ok": r.ok,
+        "ok": r.ok, "peak_rss": max(peak), "workers": workers or 1,
     }
 
 
@@ -115,9 +144,13 @@ def main() -> int:
     ap.add_argument("--reference-states", type=int, default=None,
                     help="max states of the reference model run (default: all; quick 20000)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--parallel-only", action="store_true", help="only the parallel section")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(_child(json.loads(args.child))))
+        return 0
+    if args.parallel_only:
+        parallel(args.quick)
         return 0
     cfg = (4, 12) if args.quick else (4, 24)
     model = toy_model.build(cfg)
@@ -176,7 +209,44 @@ def main() -> int:
                 mem_row(f"memory, {'fingerprint' if fp else 'exact'}, symmetry {m['symmetry']}", m)
     else:
         print("reference model: pdproto/protocol/_reference.py not present; skipped")
+    parallel(args.quick)
     return 0
+
+
+def _ray_available() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def parallel(quick: bool) -> None:
+    """Serial, workers=2 and Ray x2 side by side; the 10M-state fingerprint run."""
+    load = os.getloadavg()
+    print(f"parallel search, {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+          "(1/5/15 min; a busy machine lowers the parallel figures):")
+    configs = [("toy", {"config": [3, 9]})] if quick else [
+        ("toy", {"config": [4, 31]}), ("reference", {"config": {}, "symmetry": True})]
+    for model, extra in configs:
+        runs = [("serial", {}), ("workers=2", {"workers": 2})]
+        if not quick and _ray_available():
+            runs.append(("ray, 2 actors", {"workers": 2, "ray": True}))
+        base = None
+        for label, kw in runs:
+            m = measure({"model": model, "fingerprint": False, **extra, **kw})
+            base = base or m
+            ratio = m["sps"] / base["sps"] if base["sps"] else float("nan")
+            same = (m["states"] == base["states"] and m["ok"] == base["ok"])
+            mem_row(f"{model} {label}", m)
+            print(f"  {'':<38} speed-up {ratio:.2f}x over serial; same states and verdict: {same}; "
+                  f"load now {os.getloadavg()[0]:.2f}", flush=True)
+    if quick:
+        return
+    m = measure({"model": "toy", "config": [4, 56], "fingerprint": True, "workers": 2})
+    mem_row("toy 4x56, fingerprint, workers=2", m)
+    print(f"  {'':<38} peak RSS of the 2 workers together {m['peak_rss'] / 2**20:,.0f} MiB "
+          f"(coordinator not counted)", flush=True)
 
 
 if __name__ == "__main__":
