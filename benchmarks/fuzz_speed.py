@@ -77,7 +77,8 @@ def run_parallel(model, examples: int, steps_per_example: int, s: int, workers: 
     processes: examples per wall second of each (worker start-up included),
     the speed-up, and the ratio of CPU seconds (the workers' added up; 1.0:
     no overhead).  The wall speed-up needs ``workers`` idle cores: compare
-    the load average."""
+    the load average (and on Linux with autogroup scheduling, the processes
+    of one session share one session's CPU share on a busy machine)."""
     out = {}
     for n in (1, workers):
         t0 = time.perf_counter()
