@@ -31,8 +31,8 @@ from array import array
 from typing import Any, Callable
 
 from ..spec._monitor import Monitor
-from ._search import _CONCRETE, _SKIP, _MonitorStates, _append_wide, _key_functions, _rss, _symmetry_hooks
-from ._visited import _BAD, _PAIR, _flat_type, _Visited
+from ._search import _CONCRETE, _SKIP, _MonitorStates, _append_wide, _key_functions, _meet, _rss, _symmetry_hooks
+from ._visited import _BAD, _PAIR, _flat_type, _unpack, _Visited
 
 #: the kinds of finding, in the order a shard reports them
 KINDS = ("violation", "state-invariant", "deadlock")
@@ -97,8 +97,8 @@ class Shard:
         batch per shard (None for none, and for this one)."""
         n, wid, part, step, actions_of = self.n, self.wid, self.part, self.model.step, self.model.actions
         mons = self.mons
-        template, memo, ev_ids, events_id, feed = mons.template, mons.memo, mons.ev_ids, mons.events_id, mons.feed
-        scls, tnew, add, new = self.scls, tuple.__new__, self._add, self._new
+        template, after = mons.template, mons.after
+        scls, add, new = self.scls, self._add, self._new
         fast, keys, start = self.fast, self.visited.keys, self.start
         sym_hook, rename, canon_key = self.sym_hook, mons.rename, self.canon_key
         out = [_Batch() if w != wid else None for w in range(n)]
@@ -106,7 +106,7 @@ class Shard:
         for i, entry in enumerate(self.frontier):
             if entry is _SKIP:
                 continue
-            state, mid = _unpack(entry, scls, tnew)
+            state, mid = _unpack(entry, scls)
             acts = actions_of(state)
             pgid = (start + i) * n + wid
             if not acts:
@@ -116,12 +116,8 @@ class Shard:
                 nstate, events = step(state, act)
                 transitions += 1
                 if events and template is not None:
-                    evs = events if type(events) is tuple else tuple(events)
-                    evid = ev_ids.get(evs)
-                    hit = memo.get(mk := mid | ((events_id(evs) if evid is None else evid) << 32))
-                    if hit is None:
-                        hit = feed(mid, evs, mk)
-                    nmid, bad = (hit, None) if type(hit) is int else (hit[0], hit[1][0])
+                    nmid, bads = after(mid, events)
+                    bad = bads[0] if bads else None
                 else:
                     nmid, bad = mid, None
                 fast_state = fast and type(nstate) is scls
@@ -274,14 +270,7 @@ class Shard:
     def _check_state(self, state: Any, gid: int, depth: int) -> None:
         unmet = self.unmet
         if unmet:
-            hits = None
-            for name, p in unmet.items():
-                if p(state):
-                    hits = [name] if hits is None else hits + [name]
-            if hits is not None:
-                for name in hits:
-                    del unmet[name]
-                    self.met.add(name)
+            self.met.update(_meet(unmet, state))
         for name, pred in self.invariants.items():
             if not pred(state):
                 self._record("state-invariant", name, gid, depth, f"state invariant {name!r} fails")
@@ -331,17 +320,6 @@ def _part_function(hooks: tuple[str, Any, Any, Any], concrete: bool, mkeys: list
     if mode == "renaming":
         return lambda state, mid: sym_hook(state)[0]
     return lambda state, mid: canonical(state)
-
-
-def _unpack(entry: Any, scls: type, tnew: Callable) -> tuple[Any, int]:
-    """(state, monitor id) of a frontier entry (see the serial search)."""
-    if type(entry) is not tuple or not entry:
-        return entry, 0
-    if entry[-1] is _PAIR:
-        return (entry[:-2] if scls is tuple else tnew(scls, entry[:-2])), entry[-2]
-    if len(entry) == 3 and entry[0] is _PAIR:
-        return entry[1], entry[2]
-    return entry, 0
 
 
 class _Batch:

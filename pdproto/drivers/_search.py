@@ -27,7 +27,7 @@ from ..spec._monitor import Monitor, Violation
 from ..protocol._model import Renaming
 from ._results import Counterexample, ExploreResult
 from ._traces import _build_graph, _counterexample, _path
-from ._visited import _BAD, _PAIR, _flat_type, _Visited
+from ._visited import _BAD, _PAIR, _flat_type, _unpack, _Visited
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -84,6 +84,17 @@ class _MonitorStates:
             self.memo.clear()
         evid = ev_ids[evs] = len(ev_ids)
         return evid
+
+    def after(self, mid: int, events: Any) -> tuple[int, tuple]:
+        """(next mid, violations) of the monitor in state ``mid`` fed
+        ``events`` (memoized)."""
+        evs = events if type(events) is tuple else tuple(events)
+        evid = self.ev_ids.get(evs)
+        mk = mid | ((self.events_id(evs) if evid is None else evid) << 32)
+        hit = self.memo.get(mk)
+        if hit is None:
+            hit = self.feed(mid, evs, mk)
+        return (hit, ()) if type(hit) is int else hit
 
     def feed(self, mid: int, evs: tuple, mk: int) -> Any:
         """Feed ``evs`` to the monitor in state ``mid``; memoize the outcome
@@ -304,7 +315,6 @@ class _Search:
         for each frontier state, in BFS order, that enables something; handle
         the quiet ones (the search stops when one ends it)."""
         frontier, bfront, actions_of, scls = self.frontier, self.bfront, self.model.actions, self.scls
-        scls_is_tuple, tnew = scls is tuple, tuple.__new__
         level_end, expanded = len(self.parents), 0
         self.levels.append(level_end)
         while frontier:
@@ -318,15 +328,7 @@ class _Search:
                 expanded += 1
                 continue
             pb = bfront.popleft() if bfront is not None else None
-            if type(entry) is not tuple or not entry:
-                state, mid = entry, 0  # a bare state (a named tuple, another type): monitor id 0
-            elif entry[-1] is _PAIR:
-                mid = entry[-2]
-                state = entry[:-2] if scls_is_tuple else tnew(scls, entry[:-2])
-            elif len(entry) == 3 and entry[0] is _PAIR:
-                state, mid = entry[1], entry[2]
-            else:
-                state, mid = entry, 0
+            state, mid = _unpack(entry, scls)
             pidx = expanded
             expanded += 1
             acts = actions_of(state)
@@ -341,7 +343,7 @@ class _Search:
         yields, inline (see the module doc)."""
         frontier, parents, via, limit, progress = self.frontier, self.parents, self.via, self.limit, self.progress
         mons, visited, graph_ok = self.mons, self.visited, self.graph_ok
-        template, memo, ev_ids, events_id, feed = mons.template, mons.memo, mons.ev_ids, mons.events_id, mons.feed
+        template, after = mons.template, mons.after
         fpset, keys, kkey = visited.fpset, visited.keys, visited.kinterner and visited.kinterner.key
         fp_table, fp_mask = (fpset.table, fpset.mask) if fpset is not None else (None, 0)
         flat_key, product_key, ikey, fast_key = self.flat_key, self.product_key, self.ikey, self.sym_mode in _CONCRETE
@@ -355,12 +357,7 @@ class _Search:
                 nstate, events = step(state, act)
                 transitions += 1
                 if events and template is not None:
-                    evs = events if type(events) is tuple else tuple(events)
-                    evid = ev_ids.get(evs)
-                    hit = memo.get(mk := mid | ((events_id(evs) if evid is None else evid) << 32))
-                    if hit is None:
-                        hit = feed(mid, evs, mk)
-                    nmid, bad = (hit, ()) if type(hit) is int else hit
+                    nmid, bad = after(mid, events)
                 else:
                     nmid, bad = mid, ()
                 if fast_flat and type(nstate) is scls:
@@ -481,16 +478,9 @@ class _Search:
         return self.stop_on_first
 
     def _check_state(self, state: Any, idx: int) -> bool:
-        unmet = self.unmet
-        if unmet:
-            hits = None
-            for name, p in unmet.items():
-                if p(state):
-                    hits = [name] if hits is None else hits + [name]
-            if hits is not None:
-                for name in hits:
-                    del unmet[name]
-                    self.met[name] = None
+        if self.unmet:
+            for name in _meet(self.unmet, state):
+                self.met[name] = None
         if self.invariants:
             for name, pred in self.invariants.items():
                 if not pred(state) and self._record("state-invariant", name, idx, f"state invariant {name!r} fails"):
@@ -557,6 +547,18 @@ class _Search:
             monitor_states=len(self.mons.keys), graph=graph, header=self.header, memory=memory,
             stopped_by=(self.stopped_by or "counterexample") if self.stopped else None,
         )
+
+
+def _meet(unmet: dict[str, Callable], state: Any) -> list[str]:
+    """The ``sometimes`` properties of ``unmet`` that ``state`` meets, taken
+    out of it."""
+    hits: list[str] = []
+    for name, p in unmet.items():
+        if p(state):
+            hits.append(name)
+    for name in hits:
+        del unmet[name]
+    return hits
 
 
 def _rss() -> int:

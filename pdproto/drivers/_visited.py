@@ -236,6 +236,18 @@ def _key_bytes(visited: set, interner: _Interner | None) -> int:
     return total
 
 
+def _unpack(entry: Any, cls: type) -> tuple[Any, int]:
+    """(state, monitor id) of a frontier entry: a bare state (monitor id 0),
+    flat ``fields + (mid, _PAIR)``, or ``(_PAIR, state, mid)``."""
+    if type(entry) is not tuple or not entry:
+        return entry, 0  # a bare state (a named tuple, another type)
+    if entry[-1] is _PAIR:
+        return (entry[:-2] if cls is tuple else tuple.__new__(cls, entry[:-2])), entry[-2]
+    if len(entry) == 3 and entry[0] is _PAIR:
+        return entry[1], entry[2]
+    return entry, 0
+
+
 class _Visited:
     """The visited set: exact (keys with interned parts) or fingerprints.
 
