@@ -228,8 +228,10 @@ def run_adapter(args: argparse.Namespace, console: Any) -> int:
     given += ["--explain"] if args.explain else []
     given += ["--ray"] if args.ray is not False else []
     if given:
-        raise UsageError(given[0], getattr(args, given[0][2:].replace("-", "_"), True),
-                         "no model flag with --adapter (it configures a model, not a real system)")
+        value = getattr(args, given[0][2:].replace("-", "_"), True)
+        raise UsageError(given[0], " ".join(value) if isinstance(value, list) else value,
+                         "no model or parallel flag with --adapter (it configures a model run, not a "
+                         "real system)")
     check_output_path(args.out, "--out")
     started = time.perf_counter()
     with _status(console, args, f"starting {args.adapter}"):
