@@ -422,11 +422,16 @@ class Monitor:
 
             return PartialMonitor.from_header(header, policy=policy, complete=complete, skip=skip,
                                               observed=observed)
-        return cls(
-            policy or header.policy,
+        return cls(skip=skip, **cls._settings(header, policy, complete))
+
+    @staticmethod
+    def _settings(header: HistoryHeader, policy: str | None, complete: bool | None) -> dict[str, Any]:
+        """The constructor's arguments (but ``skip``) a header gives, with
+        the overrides of :meth:`from_header`."""
+        return dict(
+            policy=policy or header.policy,
             complete=header.complete or bool(complete),
             workers=header.workers,
-            skip=skip,
             kv=header.kv,
             block_size=header.block_size if header.version != 1 else None,
             boundary=header.boundary,

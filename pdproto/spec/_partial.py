@@ -21,7 +21,7 @@ changes, none of which touches the complete-history path:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import attrs
 
@@ -41,7 +41,7 @@ from ._events import (
     TransferWriteDone,
     EVENT_TYPES,
 )
-from ._history import HistoryHeader, KVSpec, WorkerSpec
+from ._history import HistoryHeader
 from ._monitor import (
     _DISPATCH,
     _OWN,
@@ -84,20 +84,16 @@ class PartialMonitor(Monitor):
         *,
         observed: Observation,
         features: Iterable[str] = (),
-        complete: bool = False,
-        workers: Mapping[str, WorkerSpec] | None = None,
         skip: Iterable[str] = (),
-        kv: KVSpec | None = None,
-        block_size: int | None = None,
-        boundary: str = "sampled",
+        **settings: Any,
     ) -> None:
+        """``settings``: the other arguments of :class:`Monitor` (``complete``,
+        ``workers``, ``kv``, ``block_size``, ``boundary``)."""
         if not isinstance(observed, Observation):
             raise UsageError("observed", observed, "an Observation")
         provided = observed.terms(features)
         found = not_judged(provided)
-        super().__init__(policy, complete=complete, workers=workers,
-                         skip=check_invariant_ids(skip) | {inv for inv, _, _ in found},
-                         kv=kv, block_size=block_size, boundary=boundary)
+        super().__init__(policy, skip=check_invariant_ids(skip) | {inv for inv, _, _ in found}, **settings)
         #: the observation judged under
         self.observed = observed
         #: the invariants not judged, each ``(invariant, needs, missing)``
@@ -129,17 +125,8 @@ class PartialMonitor(Monitor):
         observed = observed if observed is not None else header.observed
         if observed is None:
             raise UsageError("observed", None, "an Observation (the header declares none)")
-        return cls(
-            policy or header.policy,
-            observed=observed,
-            features=header.features,
-            complete=header.complete or bool(complete),
-            workers=header.workers,
-            skip=skip,
-            kv=header.kv,
-            block_size=header.block_size if header.version != 1 else None,
-            boundary=header.boundary,
-        )
+        return cls(observed=observed, features=header.features, skip=skip,
+                   **Monitor._settings(header, policy, complete))
 
     @property
     def requests(self) -> int:
