@@ -102,6 +102,7 @@ class Shard:
         fast, keys, start = self.fast, self.visited.keys, self.start
         sym_hook, rename, canon_key = self.sym_hook, mons.rename, self.canon_key
         out = [_Batch() if w != wid else None for w in range(n)]
+        sent: set = set()  # the (good) successors sent this level, to any shard: each goes once
         transitions = 0
         for i, entry in enumerate(self.frontier):
             if entry is _SKIP:
@@ -129,7 +130,9 @@ class Shard:
                     dest = hash(cstate) % n
                     if dest == wid:
                         add(nstate, nmid, pgid, ai, bad, canon_key(cstate, rmid))
-                    else:
+                    elif bad is not None or (skey := (cstate, rmid)) not in sent:
+                        if bad is None:
+                            sent.add(skey)
                         out[dest].add_canonical(nstate, nmid, pgid, ai, bad, cstate, rmid)  # type: ignore[union-attr]
                     continue
                 dest = hash(nstate if fast_state else part(nstate, nmid)) % n
@@ -141,6 +144,11 @@ class Shard:
                     else:
                         add(nstate, nmid, pgid, ai, bad)
                 else:
+                    if bad is None and fast_state:  # one copy of a successor per level is enough
+                        skey = nstate + (nmid, _PAIR) if nmid else nstate
+                        if skey in sent:
+                            continue
+                        sent.add(skey)
                     b = out[dest]
                     if bad is not None:
                         b.bads[len(b.states)] = (bad.invariant, bad.message)  # type: ignore[union-attr]
