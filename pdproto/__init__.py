@@ -58,6 +58,9 @@ from .spec import FEATURES as FEATURES
 from .spec import FORMAT_VERSION as FORMAT_VERSION
 from .spec import FORMAT_VERSIONS as FORMAT_VERSIONS
 from .spec import INVARIANTS as INVARIANTS
+from .spec import INVARIANT_NEEDS as INVARIANT_NEEDS
+from .spec import Observation as Observation
+from .spec import PartialMonitor as PartialMonitor
 from .spec import Alloc as Alloc
 from .spec import Cancel as Cancel
 from .spec import Commit as Commit
@@ -135,7 +138,10 @@ __all__ = [
     "write_history",
     "INVARIANTS",
     "END_INVARIANTS",
+    "INVARIANT_NEEDS",
     "Monitor",
+    "PartialMonitor",
+    "Observation",
     "Violation",
     # the protocol: models
     "Action",

@@ -81,7 +81,7 @@ PUBLIC = {
     "Commit", "Decode", "Finish", "Cancel", "Fail", "Free", "Restart", "Share", "event_from_dict",
     "FORMAT_VERSION", "FORMAT_VERSIONS", "FEATURES", "KVSpec", "HistoryHeader", "HistoryReader", "HistoryWriter", "WorkerSpec",
     "open_history", "read_events", "write_history", "INVARIANTS", "END_INVARIANTS", "Monitor",
-    "Violation",
+    "Violation", "INVARIANT_NEEDS", "PartialMonitor", "Observation",
     # the protocol
     "Action", "ActionNotEnabled", "Model", "Renaming", "FAULT_KINDS", "ModelConfig",
     "parse_faults", "Handoff", "HandoffModel", "transition_table",
