@@ -74,6 +74,8 @@ class PartialMonitor(Monitor):
     history's declared format 1.1 features (a kind of an undeclared feature
     cannot be missed).  Events of kinds ``observed`` does not list are
     ignored (``pdproto audit --observed`` narrows a history that has them).
+    :meth:`key` is :class:`Monitor`'s verdict state: the frees and the
+    requests' transfers a partial monitor also remembers are not in it.
     """
 
     __slots__ = ("observed", "not_judged", "_kinds", "_own", "_by_request", "_freed", "_requests", "_by_read_only")
