@@ -25,9 +25,10 @@ LINKS = (
     "https://github.com/LMCache/LMCache/issues/2847",
 )
 FAMILY = "pull"
-FAULTS = ("timeout", "retry")
-DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=3, block_size=2, prompt_len=3, prefix_cache=True,
-                             faults={"timeout": 1, "retry": 1})
+FAULTS = ("timeout",)
+# a third request's prefill takes the evicted prefix block while the second still holds it
+DEFAULT_CONFIG = ModelConfig(policy="pull", requests=3, blocks=3, block_size=2, prompt_len=3, prefix_cache=True,
+                             faults={"timeout": 1})
 
 _cleanup = REFERENCE["push"].cleanup.effect
 
