@@ -219,13 +219,12 @@ def sample_history(model: Any, seed: int, limit: int = 400) -> tuple[list, Any]:
 
 
 def _key(entry: Entry) -> str:
-    """What the verdicts of ``entry`` depend on: its model file, the protocol,
-    the monitor and the history format (a change to any recomputes them)."""
+    """What the verdicts of ``entry`` depend on: its model file, the protocol
+    and the monitor (a change to any recomputes them)."""
     h = hashlib.sha256()
-    files = [entry.module.__file__]
-    for sub in ("protocol", "spec"):
-        d = os.path.join(_PKG, sub)
-        files += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".py"))
+    files = [entry.module.__file__, os.path.join(_PKG, "spec", "_monitor.py")]
+    d = os.path.join(_PKG, "protocol")
+    files += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".py"))
     for path in files:
         with open(path, "rb") as f:
             h.update(f.read())
@@ -469,12 +468,29 @@ def _agrees(e: Entry, v: Mapping[str, Any]) -> bool:
 # -- the generator ----------------------------------------------------------------
 
 
+def _judged(verdicts: dict[str, Any], old: dict[str, Any], row: str, verdict: dict[str, Any], seconds: float,
+            corpus: str, log: Any) -> None:
+    """Record one entry's verdict, on disk too (an interrupted run keeps what it judged)."""
+    verdicts[row] = old[row] = verdict
+    _dump(os.path.join(corpus, "VERDICTS.json"), old)
+    if log is not None:
+        print(f"{row}: {seconds:.1f} s", file=log, flush=True)
+
+
+def _judge_row(row: str, corpus: str) -> tuple[str, dict[str, Any], float]:
+    """Judge the entry shown as ``row`` (in a worker process, too)."""
+    (entry,) = [e for e in entries() if e.row == row]
+    t0 = time.perf_counter()
+    return row, judge(entry, corpus), time.perf_counter() - t0
+
+
 def generate(out: str | None, corpus: str | None = None, *, fresh: bool = False, only: Sequence[str] = (),
-             log: Any = None) -> tuple[str, list[str]]:
+             log: Any = None, jobs: int = 1) -> tuple[str, list[str]]:
     """Judge every entry (reusing the verdicts of unchanged ones unless
     ``fresh``; ``only``: judge just those, keep the rest), rewrite the
     corpus and its index, and return docs/bugs.md's text (written to
-    ``out`` when given) with the contract problems."""
+    ``out`` when given) with the contract problems.  ``jobs``: judge that
+    many entries at once (worker processes)."""
     corpus = corpus or corpus_dir()
     os.makedirs(corpus, exist_ok=True)
     problems: list[str] = []
@@ -484,17 +500,27 @@ def generate(out: str | None, corpus: str | None = None, *, fresh: bool = False,
     except (OSError, ValueError):
         old = {}
     verdicts: dict[str, Any] = {}
+    todo = []
     for e in rows:
         prev = old.get(e.row)
         keep = prev is not None and (not fresh and (prev.get("key") == _key(e) or (only and e.name not in only)))
         keep = keep and all(os.path.exists(os.path.join(corpus, n)) for n in prev["histories"])
         if keep:
             verdicts[e.row] = prev
-            continue
-        t0 = time.perf_counter()
-        verdicts[e.row] = judge(e, corpus)
-        if log is not None:
-            print(f"{e.row}: {time.perf_counter() - t0:.1f} s", file=log, flush=True)
+        else:
+            todo.append(e.row)
+    if jobs > 1 and len(todo) > 1:
+        import concurrent.futures
+
+        with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+            futures = {pool.submit(_judge_row, row, corpus): row for row in todo}
+            for fut in concurrent.futures.as_completed(futures):
+                row, verdict, seconds = fut.result()
+                _judged(verdicts, old, row, verdict, seconds, corpus, log)
+    else:
+        for row in todo:
+            _, verdict, seconds = _judge_row(row, corpus)
+            _judged(verdicts, old, row, verdict, seconds, corpus, log)
     wanted = {n for v in verdicts.values() for n in v["histories"]}
     for name in os.listdir(corpus):  # histories of entries that are gone
         if name.endswith(".jsonl") and name not in wanted:
@@ -523,13 +549,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fresh", action="store_true", help="recompute every entry's verdicts")
     p.add_argument("--only", nargs="*", default=(), metavar="NAME", help="recompute only these models")
     p.add_argument("--problems", action="store_true", help="only list the contract problems")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="judge N entries at once (processes)")
     args = p.parse_args(argv)
     if args.problems:
         problems: list[str] = []
         entries(problems=problems)
         print("\n".join(problems) or "no contract problems")
         return 1 if problems else 0
-    text, problems = generate(args.write, args.corpus, fresh=args.fresh, only=args.only, log=sys.stderr)
+    text, problems = generate(args.write, args.corpus, fresh=args.fresh, only=args.only, log=sys.stderr,
+                              jobs=args.jobs)
     for line in problems:
         print(f"contract problem: {line}", file=sys.stderr)
     if args.write is None:
