@@ -251,8 +251,9 @@ def _match(me: Event, re: Event, ren: _Ren) -> _Ren | None:
 
 #: The events a transfer's write completion gates: a real system may report
 #: the write completion after any other later event of the same model step
-#: (P freeing the source it read does not wait for the write).  And the data
-#: plane reports a transfer's read and write completions in either order.
+#: (P freeing the source it read does not wait for the write).  The data
+#: plane reports a transfer's read and write completions in either order, and
+#: the frees of one step (a cleanup on P and on D) come in either order.
 _WRITE_GATES = frozenset(("commit", "decode"))
 
 
@@ -262,7 +263,9 @@ def _may_pass(lagging: Event, e: Event) -> bool:
     if kind == "transfer_write_done":
         return e.EV not in _WRITE_GATES
     if kind == "transfer_read_done":
-        return e.EV == "transfer_write_done" and e.transfer == lagging.transfer  # type: ignore[attr-defined]
+        return e.EV == "transfer_write_done"  # (the renaming keeps it the same transfer)
+    if kind == "free":  # one step's frees (cleanup on P and on D) are independent of each other
+        return e.EV == "free"
     return False
 
 
@@ -908,6 +911,8 @@ def conform(
     shapes = _shapes(events, {w: spec.role for w, spec in (header.workers or {}).items()})
     bs = block_size or header.block_size or _infer_block_size(shapes)
     seen_chunks, seen_layers = _infer_chunks(shapes)
+    if seen_layers and header.kv is not None and header.kv.layers:  # one chunk per layer
+        seen_chunks = max(seen_chunks, header.kv.layers)
     chunks = seen_chunks if chunks is None else chunks
     layerwise = seen_layers if layerwise is None else layerwise
     if layerwise and chunks < 2:
@@ -981,10 +986,12 @@ def _step(search: _Search, e: Event, line: int) -> None:
         why = "no behaviour of the model explains this event here"
         raise _Failure(line, name, e, why, rq.cfgs, rq.proj)
     # shared resources, on the real ids
-    if ev in ("reserve", "prefill_start", "alloc"):
-        search.take(name, e, line)
-    elif ev == "share":
-        search.take(name, e, line, shared=True)
+    if ev in ("reserve", "prefill_start", "alloc", "share"):
+        try:
+            search.take(name, e, line, shared=ev == "share")
+        except _Failure as f:
+            f.cfgs, f.proj = rq.cfgs, rq.proj  # what the request's model could do there
+            raise
     elif ev == "free":
         search.give(name, e.worker, e.blocks)  # type: ignore[attr-defined]
     elif ev == "transfer_start":
