@@ -12,7 +12,7 @@ import pytest
 
 from pdproto import ConformanceResult, conform
 from pdproto._cli import main
-from pdproto.protocol import HandoffModel, ModelConfig
+from pdproto.protocol import Handoff, ModelConfig
 from pdproto.spec import HistoryHeader, TransferStart, write_history
 from pdproto.spec import EVENT_TYPES
 
@@ -25,16 +25,8 @@ def walk(config: ModelConfig, seed: int, steps: int = 300) -> tuple[HistoryHeade
     """One random run of the reference model (every enabled action, faults
     included, is as likely)."""
     rng = random.Random(seed)
-    model = HandoffModel(config)
-    state = model.initial_states()[0]
-    events: list = []
-    for _ in range(steps):
-        acts = model.actions(state)
-        if not acts:
-            break
-        state, evs = model.step(state, rng.choice(acts))
-        events.extend(evs)
-    return model.header, events
+    run = Handoff(config)
+    return run.model.header, run.run(choose=rng.choice, limit=steps)
 
 
 def config_for(seed: int, policy: str) -> ModelConfig:

@@ -324,8 +324,11 @@ class _Proj:
             b0 = self.budget0
             for a in self.model.actions(s):
                 ns, evs = self.model.step(s, a)
-                if b0 is not None and ns.budget != b0:
-                    ns = ns._replace(budget=b0)
+                if b0 is not None:
+                    if ns.budget != b0:
+                        ns = ns._replace(budget=b0)
+                    if self.handoff and any(ns.inc):
+                        ns = _dense_incarnations(ns)
                 items.append((a, ns, tuple(e for e in evs if e.EV in obs)))
             out = self._succ[s] = tuple(items)
         return out
@@ -336,9 +339,13 @@ class _Proj:
         if out is None:
             seen = {s: None}
             todo = [s]
+            # unobserved retries could go on forever: at most one new generation per closure
+            top = s.reqs[0].gen + 1 if self.handoff else None
             while todo:
                 t = todo.pop()
                 for _, ns, obs in self.succ(t):
+                    if top is not None and ns.reqs[0].gen > top:
+                        continue
                     if not obs and ns not in seen:
                         if len(seen) >= self.max_silent:
                             self.bounded = True
@@ -347,6 +354,14 @@ class _Proj:
                         todo.append(ns)
             out = self._closure[s] = tuple(seen)
         return out
+
+    def quiet(self, s: Any) -> bool:
+        """Some state silently reachable from ``s`` enables nothing but faults
+        (the system went quiet: only a fault could move it on)."""
+        for t in self.closure(s):
+            if all(a.fault for a, _, _ in self.succ(t)):
+                return True
+        return False
 
     def live_blocks(self, s: Any) -> set:
         """The model blocks ``(model worker, block)`` state ``s`` still knows."""
@@ -362,6 +377,30 @@ class _Proj:
             out.update((wn[x.p], b) for b in x.src)
             out.update((wn[x.d], b) for b in x.dst)
         return out
+
+
+def _dense_incarnations(s: Any) -> Any:
+    """``s`` with each worker's incarnation numbers renumbered densely
+    (0, 1, ... in order), keeping which are equal: the model compares
+    incarnations only for equality, so repeated silent restarts reach
+    finitely many states."""
+    reqs, msgs, inc = s.reqs, s.msgs, s.inc
+    ranks = []
+    for w, now in enumerate(inc):
+        vals = {now}
+        vals.update(m.inc for m in msgs if m.frm == w)
+        vals.update(q.pinc for q in reqs if q.p == w)
+        vals.update(q.dinc for q in reqs if q.d == w)
+        ranks.append({v: i for i, v in enumerate(sorted(vals))})
+    new_inc = tuple(ranks[w][v] for w, v in enumerate(inc))
+    if new_inc == inc:
+        return s
+    new_reqs = tuple(
+        q._replace(pinc=ranks[q.p][q.pinc] if q.p >= 0 else q.pinc, dinc=ranks[q.d][q.dinc] if q.d >= 0 else q.dinc)
+        for q in reqs
+    )
+    new_msgs = tuple(m._replace(inc=ranks[m.frm][m.inc]) for m in msgs)
+    return s._replace(inc=new_inc, reqs=new_reqs, msgs=new_msgs)
 
 
 class _Cfg:
@@ -933,10 +972,16 @@ def conform(
     monitor.finish()
     if failure is None and complete:
         for rq in search.reqs.values():
-            if not any(not c.pending for c in rq.cfgs):
+            whole = [c for c in rq.cfgs if not c.pending]
+            if not whole:
                 failure = _Failure(last_line, rq.name, None,
                                    "end of history: a model step of this request was seen in part only",
                                    rq.cfgs, rq.proj)
+                break
+            if not any(rq.proj.quiet(c.state) for c in whole):
+                failure = _Failure(last_line, rq.name, None,
+                                   "end of history: the model cannot be quiet here without a step the history "
+                                   "does not show", rq.cfgs, rq.proj)
                 break
     bounded = search.bounded or any(p.bounded for p in search.models.values())
     common = dict(events=len(events), requests=len(shapes), model=name, policy=policy,
