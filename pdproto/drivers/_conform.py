@@ -102,6 +102,8 @@ class ConformanceResult:
     renaming: Mapping[str, str] = attrs.field(factory=dict, hash=False)
     violations: tuple[Violation, ...] = ()
     bounded: bool = False
+    #: the invariants the monitor could not judge on a partial history
+    not_judged: tuple[str, ...] = ()
 
     @property
     def monitor_ok(self) -> bool:
@@ -127,7 +129,8 @@ class ConformanceResult:
             "expected": list(self.expected),
             "renaming": dict(self.renaming),
             "bounded": self.bounded,
-            "monitor": {"ok": self.monitor_ok, "violations": [v.to_dict() for v in self.violations]},
+            "monitor": {"ok": self.monitor_ok, "violations": [v.to_dict() for v in self.violations],
+                        "not_judged": list(self.not_judged)},
         }
 
 
@@ -959,7 +962,7 @@ def conform(
     base = ModelConfig(policy=policy, requests=1, blocks=4, block_size=bs, prompt_len=max(chunks, 1),
                        faults={k: _UNLIMITED for k in FAULT_KINDS}, chunks=chunks, layerwise=layerwise)
     search = _Search(build, base, shapes, kinds, header, max_silent, max_frontier)
-    monitor = Monitor.from_header(header, policy=policy, complete=complete)
+    monitor = _monitor(header, policy, complete, observed, kinds)
     failure: _Failure | None = None
     for line, e in events:
         monitor.feed(e, line)
@@ -986,7 +989,8 @@ def conform(
     bounded = search.bounded or any(p.bounded for p in search.models.values())
     common = dict(events=len(events), requests=len(shapes), model=name, policy=policy,
                   observed=tuple(k for k in _ALL_KINDS if k in kinds), complete=complete,
-                  violations=tuple(monitor.violations), bounded=bounded)
+                  violations=tuple(monitor.violations), bounded=bounded,
+                  not_judged=tuple(entry[0] for entry in getattr(monitor, "not_judged", ())))
     if failure is None:
         return ConformanceResult(ok=True, **common)  # type: ignore[arg-type]
     states: list[str] = []
@@ -1010,6 +1014,16 @@ def conform(
         states=tuple(states), states_total=total, expected=tuple(expected), renaming=renaming,
         **common,  # type: ignore[arg-type]
     )
+
+
+def _monitor(header: HistoryHeader, policy: str, complete: bool, observed: Any, kinds: frozenset[str]) -> Monitor:
+    """The monitor of the same history: partial as the header says, or as
+    ``observed`` overrides it."""
+    if observed is None:
+        return Monitor.from_header(header, policy=policy, complete=complete)
+    from ..spec import Observation
+
+    return Monitor.from_header(header, policy=policy, complete=complete, observed=Observation(kinds))
 
 
 def _step(search: _Search, e: Event, line: int) -> None:
