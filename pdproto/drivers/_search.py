@@ -328,7 +328,10 @@ class _Search:
                 expanded += 1
                 continue
             pb = bfront.popleft() if bfront is not None else None
-            state, mid = _unpack(entry, scls)
+            if type(entry) is not tuple or not entry:
+                state, mid = entry, 0  # a bare state: monitor id 0
+            else:
+                state, mid = _unpack(entry, scls)
             pidx = expanded
             expanded += 1
             acts = actions_of(state)
@@ -549,13 +552,13 @@ class _Search:
         )
 
 
-def _meet(unmet: dict[str, Callable], state: Any) -> list[str]:
+def _meet(unmet: dict[str, Callable], state: Any) -> tuple[str, ...]:
     """The ``sometimes`` properties of ``unmet`` that ``state`` meets, taken
     out of it."""
-    hits: list[str] = []
+    hits: tuple[str, ...] = ()
     for name, p in unmet.items():
         if p(state):
-            hits.append(name)
+            hits += (name,)
     for name in hits:
         del unmet[name]
     return hits

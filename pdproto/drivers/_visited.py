@@ -221,12 +221,14 @@ def _key_bytes(visited: set, interner: _Interner | None) -> int:
     if interner is not None:
         active = {i for i, d in enumerate(interner.tables) if d is not None}
     seen: set[int] = set()
+    flat: dict[type, bool] = {}
     for k in visited:
         if type(k) is tuple and k and k[-1] is _PAIR:
             for i in range(len(k) - 2):
                 if i not in active:
                     total += _deep_size(k[i], seen)
-        elif isinstance(k, tuple) and k and k[0] is not _BAD and k[0] is not _PAIR and _flat_type(type(k)):
+        elif isinstance(k, tuple) and k and k[0] is not _BAD and k[0] is not _PAIR and (
+                flat.get(type(k)) if type(k) in flat else flat.setdefault(type(k), _flat_type(type(k)))):
             for i in range(len(k)):  # a bare flat state (monitor id 0)
                 if i not in active:
                     total += _deep_size(k[i], seen)
