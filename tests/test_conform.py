@@ -280,3 +280,14 @@ def test_partial_history_declared_in_its_header(tmp_path):
     result = conform(tmp_path / "bad.jsonl")
     assert not result.ok and result.line == 4 and result.event["ev"] == "transfer_read_done"
     assert [v.invariant for v in result.violations] == ["early-source-free"]
+
+
+def test_docs_examples_run(tmp_path, monkeypatch):
+    import re
+
+    with open(os.path.join(ROOT, "docs", "conformance.md"), encoding="utf-8") as fh:
+        blocks = re.findall(r"```python\n(.*?)```", fh.read(), re.S)
+    assert len(blocks) >= 2
+    monkeypatch.chdir(ROOT)
+    for block in blocks:
+        exec(compile(block.replace("/tmp/", f"{tmp_path}/"), "docs/conformance.md", "exec"), {})

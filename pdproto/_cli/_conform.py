@@ -76,3 +76,5 @@ def _print_report(console: Any, path: str, result: ConformanceResult) -> None:
         print_violations(console, result.violations)
     else:
         console.print("monitor: [green]ok[/]: no invariant violated")
+    if result.not_judged:
+        console.print(f"[dim]not judged (their evidence was not observed): {esc(', '.join(result.not_judged))}[/]")
