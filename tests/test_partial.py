@@ -45,9 +45,12 @@ _COMPLETIONS = ("transfer_read_done", "transfer_write_done", "transfer_failed", 
 
 
 def walk(config: ModelConfig, seed: int, steps: int = 400) -> tuple[HistoryHeader, list, bool]:
-    """One random run of the reference model (faults included); whether it
-    ran until no action was left (then the history is complete)."""
+    """One random run of the reference model, faults included but taken
+    less often than progress (at a rate drawn per run, so that requests get
+    far before a fault ends them); whether it ran until no action was left
+    (then the history is complete)."""
     rng = random.Random(seed)
+    fault_rate = rng.choice([0.05, 0.2, 0.5])
     model = HandoffModel(config)
     state = model.initial_states()[0]
     events: list = []
@@ -55,14 +58,15 @@ def walk(config: ModelConfig, seed: int, steps: int = 400) -> tuple[HistoryHeade
         acts = model.actions(state)
         if not acts:
             return model.header, events, True
-        state, evs = model.step(state, rng.choice(acts))
+        calm = [a for a in acts if not a.fault]
+        state, evs = model.step(state, rng.choice(calm if calm and rng.random() > fault_rate else acts))
         events.extend(evs)
     return model.header, events, False
 
 
 def config_for(seed: int, policy: str) -> ModelConfig:
     return ModelConfig.all_faults(
-        1 + seed % 2, policy=policy, requests=1 + seed % 3, blocks=4, prefill_workers=1 + seed % 2,
+        1 + seed % 2, policy=policy, requests=1 + seed % 4, blocks=4, prefill_workers=1 + seed % 2,
         decode_workers=1 + (seed // 2) % 2, prompt_len=3 + seed % 4, max_new_tokens=1 + seed % 3,
     )
 
