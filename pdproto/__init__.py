@@ -21,6 +21,7 @@ from ._errors import LimitError as LimitError
 from ._errors import MissingExtraError as MissingExtraError
 from ._errors import ModelLoadError as ModelLoadError
 from ._errors import PdprotoError as PdprotoError
+from ._errors import TransportError as TransportError
 from ._errors import UsageError as UsageError
 from .drivers import Counterexample as Counterexample
 from .drivers import ExploreResult as ExploreResult
@@ -103,6 +104,7 @@ __all__ = [
     "LimitError",
     "MissingExtraError",
     "ModelLoadError",
+    "TransportError",
     # the spec: events, histories, the monitor
     "Event",
     "EVENT_TYPES",

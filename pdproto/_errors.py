@@ -10,6 +10,7 @@ __all__ = [
     "LimitError",
     "MissingExtraError",
     "ModelLoadError",
+    "TransportError",
     "MAX_INT_DIGITS",
     "format_amount",
     "parse_int",
@@ -128,6 +129,19 @@ class MissingExtraError(PdprotoError, ImportError):
             f"{feature} needs {module}, which is not installed: pip install 'pdproto[{extra}]'"
             + (f" ({hint})" if hint else "")
         )
+
+
+class TransportError(PdprotoError):
+    """A transport library (``--transport nixl`` / ``mooncake``) that failed
+    where the history says the transfer succeeded, that did not finish in
+    time, or that cannot start here: ``transport`` names it, ``what`` the
+    transfer or step, ``detail`` is the library's own text."""
+
+    def __init__(self, transport: str, what: str, detail: str) -> None:
+        self.transport = transport
+        self.what = what
+        self.detail = detail
+        super().__init__(f"the {transport} transport: {what}: {detail}")
 
 
 class ModelLoadError(PdprotoError):

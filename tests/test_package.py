@@ -74,7 +74,7 @@ def test_version(capsys):
 PUBLIC = {
     # errors
     "PdprotoError", "HistoryFormatError", "FileFormatError", "UsageError", "LimitError", "MissingExtraError",
-    "ModelLoadError",
+    "ModelLoadError", "TransportError",
     # the spec
     "Event", "EVENT_TYPES", "Submit", "Reserve", "PrefillStart", "PrefillDone", "Alloc",
     "TransferStart", "TransferReadDone", "TransferWriteDone", "TransferFailed", "TransferAbort",

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from .._errors import UsageError
+from ..backends._transports_table import TRANSPORTS
 from ..spec._history import POLICIES
 from . import EXIT_OK, EXIT_VIOLATION, positive_int
 from ._args import check_output_path, esc, print_json
@@ -91,7 +92,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", default=None, help="with --backend torch: cpu (default) or cuda")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
                    help="with --backend torch: KV dtype (default bfloat16)")
-    p.add_argument("--transport", default=None, choices=("copy", "nixl", "mooncake"),
+    p.add_argument("--transport", default=None, choices=TRANSPORTS,
                    help="with --backend torch: how transfers move KV (as pdproto replay --transport; default copy)")
     p.add_argument("--transformer", default=None, metavar="NAME|PATH",
                    help="with --backend torch: also run a real transformer (as pdproto replay --model: "
@@ -161,6 +162,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     finally:
         if live is not None:
             live.stop()
+        if backend is not None and hasattr(backend, "close"):
+            backend.close()  # the transport's agents (one for the whole search)
 
     if args.graph is not None:
         if result.graph is None:
@@ -268,6 +271,7 @@ def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
         return tb.TorchBackend(header, device=opts["device"], dtype=opts["dtype"], layers=opts["layers"],
                                kv_heads=opts["kv_heads"], head_dim=opts["head_dim"], transport=tr)
 
+    factory.close = tr.close  # type: ignore[attr-defined]
     return factory
 
 

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from .._errors import UsageError
+from ..backends._transports_table import TRANSPORTS
 from ..spec._history import POLICIES
 from .._errors import parse_int
 from . import positive_int
@@ -61,7 +62,7 @@ def add_parser(sub: Any) -> None:
                    help="also run every step on real KV buffers (torch; imported only then)")
     p.add_argument("--device", default="cpu", help="torch device for --backend torch (cpu or cuda)")
     p.add_argument("--dtype", default="float32", help="torch dtype for --backend torch")
-    p.add_argument("--transport", default=None, choices=("copy", "nixl", "mooncake"),
+    p.add_argument("--transport", default=None, choices=TRANSPORTS,
                    help="with --backend torch: how transfers move KV (as pdproto replay --transport; default copy)")
     p.add_argument("--transformer", default=None, metavar="NAME|PATH",
                    help="with --backend torch: also run a real transformer (as pdproto replay --model) "
@@ -159,13 +160,17 @@ def run(args: argparse.Namespace, console: Any) -> int:
     progress = _progress(console, args, stats, info.name) if not parallel else _status(
         console, args, f"fuzzing {info.name} on {processes or 'the cluster CPUs as'} "
         f"{'Ray tasks' if args.ray is not False else 'worker processes'}")
-    with progress:
-        result = fuzz(
-            model, examples=args.examples, steps=args.steps or 300, seed=args.seed, out=args.out,
-            database=None if args.no_database else ".hypothesis/examples", backend=backend,
-            coverage_states=args.coverage_exhaustive, name=info.name, expected=info.expected,
-            stats=stats, explain=args.explain, workers=processes or 1, ray=args.ray,
-        )
+    try:
+        with progress:
+            result = fuzz(
+                model, examples=args.examples, steps=args.steps or 300, seed=args.seed, out=args.out,
+                database=None if args.no_database else ".hypothesis/examples", backend=backend,
+                coverage_states=args.coverage_exhaustive, name=info.name, expected=info.expected,
+                stats=stats, explain=args.explain, workers=processes or 1, ray=args.ray,
+            )
+    finally:
+        if backend is not None and hasattr(backend, "close"):
+            backend.close()  # the transport torch_backend_factory made
     return print_result(result, args.json, lambda: _report(console, result.to_dict(), result.failure))
 
 

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from .._errors import UsageError
+from ..backends._transports_table import TRANSPORTS
 from ..drivers._replay import ReplayResult, level, replay
 from ..spec._history import MAX_LINE_BYTES, POLICIES
 from ..spec._monitor import INVARIANTS
@@ -14,8 +15,6 @@ from ._args import esc, int_type, positive_int, print_result, size_type
 from ._audit import print_violations
 
 BACKENDS = ("torch",)
-#: how transfers move KV between pools (pdproto.backends._transport.TRANSPORTS)
-TRANSPORTS = ("copy", "nixl", "mooncake")
 DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
                  "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2")
 LAYOUT_CHOICES = ("mha", "mla")

@@ -19,6 +19,7 @@ from ._replay import replay as replay
 from ._replay import ReplayResult as ReplayResult
 from ._replay import load_torch_backend as load_torch_backend
 from ._replay import torch_backend_factory as torch_backend_factory
+from ._replay import load_transport as load_transport
 from ._fuzz import fuzz as fuzz
 from ._fuzz import FuzzResult as FuzzResult
 from ._fuzz import FuzzStats as FuzzStats
@@ -52,6 +53,7 @@ __all__ = [
     "ReplayResult",
     "load_torch_backend",
     "torch_backend_factory",
+    "load_transport",
     "fuzz",
     "FuzzResult",
     "FuzzStats",
