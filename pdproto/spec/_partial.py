@@ -26,21 +26,7 @@ from typing import Any, Iterable
 import attrs
 
 from .._errors import UsageError
-from ._events import (
-    Alloc,
-    Event,
-    Free,
-    PrefillStart,
-    Reserve,
-    Share,
-    Submit,
-    TransferAbort,
-    TransferFailed,
-    TransferReadDone,
-    TransferStart,
-    TransferWriteDone,
-    EVENT_TYPES,
-)
+from ._events import EVENT_TYPES, Event, Free, TransferReadDone
 from ._history import HistoryHeader
 from ._monitor import (
     _DISPATCH,
@@ -63,8 +49,11 @@ __all__ = ["PartialMonitor"]
 #: free is not judged
 FREED_MEMORY = 1 << 17
 
-_COMPLETIONS = (TransferReadDone, TransferWriteDone, TransferFailed, TransferAbort)
-_ALLOCATING = (Reserve, PrefillStart, Alloc, Share)
+_COMPLETIONS = frozenset(
+    EVENT_TYPES[k] for k in ("transfer_read_done", "transfer_write_done", "transfer_failed", "transfer_abort"))
+_ALLOCATING = frozenset(EVENT_TYPES[k] for k in ("reserve", "prefill_start", "alloc", "share"))
+#: the side of a transfer a completion of each kind ends: reading, writing, either, or none
+_ENDS = {"transfer_read_done": "r", "transfer_write_done": "w", "transfer_failed": "rw", "transfer_abort": ""}
 
 
 class PartialMonitor(Monitor):
@@ -172,11 +161,11 @@ class PartialMonitor(Monitor):
             self._on_completion(event, line)
         else:
             _DISPATCH[cls](self, event, line)
-            if cls is TransferStart:
+            if event.EV == "transfer_start":
                 self._by_request.setdefault(event.request, []).append(event.transfer)  # type: ignore[attr-defined]
             elif cls in _ALLOCATING:
                 self._forget_free(request, event.worker)  # type: ignore[attr-defined]
-            elif cls is Submit and not unknown_gen:
+            elif event.EV == "submit" and not unknown_gen:
                 self._freed.pop(request, None)  # a new generation: its blocks are new
         if out and self._by_read_only:
             # (the read-after-free check names no transfer; the others do)
@@ -284,13 +273,13 @@ class PartialMonitor(Monitor):
         if matching:
             for tid in matching:
                 t = self._transfers[tid]
-                if (cls is TransferReadDone and t.reading) or (cls is TransferWriteDone and t.writing) or (
-                    cls is TransferFailed and (t.reading or t.writing)) or cls is TransferAbort:
+                ends = _ENDS[ev.EV]
+                if not ends or ("r" in ends and t.reading) or ("w" in ends and t.writing):
                     handler(self, attrs.evolve(ev, transfer=tid), line)
             return
         if cls is TransferReadDone:
             self._read_after_free(ev, line)
-        if TransferStart in self._kinds:
+        if EVENT_TYPES["transfer_start"] in self._kinds:
             self._report(
                 "unknown-transfer", line,
                 f"{ev.EV} names request {ev.request!r}"
