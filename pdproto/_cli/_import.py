@@ -30,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("engine", metavar="ENGINE", help=f"the engine that wrote the log: {', '.join(ENGINES)}")
     p.add_argument("log", metavar="LOG", help="the log file, or - for standard input")
     p.add_argument("-o", "--out", metavar="HISTORY", default=None,
-                   help="write the history here (replaced only once complete; default: standard output)")
+                   help="write the history here (replaced only once complete, keeping the mode of the file it "
+                        "replaces; '-' or none: standard output)")
     p.add_argument("--json", action="store_true",
                    help="print a JSON summary of the import on standard error instead of the text one")
     p.set_defaults(run=run)
@@ -39,8 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, console: Any) -> int:
     if args.engine not in ENGINES:  # before -o is checked: the first problem is the one named
         raise UsageError("ENGINE", args.engine, f"one of {', '.join(ENGINES)}")
-    check_output_path(args.out, "-o")
-    result = import_log(args.engine, args.log, args.out)
+    out = None if args.out == "-" else check_output_path(args.out, "-o")
+    result = import_log(args.engine, args.log, out)
     if args.json:
         print_json(result.to_dict(), file=sys.stderr)
     else:
@@ -57,6 +58,11 @@ def _summary(args: argparse.Namespace, result: ImportResult) -> None:
           f"{result.events:,} events ({result.engine}; formats of {result.source})\n")
     more = f" (no DEBUG lines; at DEBUG level also: {', '.join(result.more_at_debug)})" if result.more_at_debug else ""
     write(f"pdproto import: observed kinds: {', '.join(result.observed) or '-'}{more}\n")
+    if not result.lines:
+        write(f"pdproto import: warning: {name} is empty: the history has no events\n")
+    if result.dropped:
+        write(f"pdproto import: warning: {result.dropped:,} event(s) left out: the log does not show every event "
+              "of their kind for the requests it names (see docs/importers.md, Limits)\n")
     if result.overlong:
         write(f"pdproto import: warning: {result.overlong:,} line(s) longer than {MAX_LOG_LINE:,} characters: "
               "only their beginning was read\n")

@@ -19,9 +19,12 @@ an importer keeps per request is bounded (:data:`MAX_TRACKED`).
 from __future__ import annotations
 
 import collections
+import io
+import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 from typing import IO, Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
@@ -87,7 +90,9 @@ class ImportResult:
     holds DEBUG lines (more kinds are observed then); ``more_at_debug`` the
     kinds the same log at DEBUG level would add (empty when it is at DEBUG);
     ``overlong`` the lines longer than :data:`MAX_LOG_LINE` characters (only
-    their beginning was read).
+    their beginning was read); ``dropped`` the events read but left out of the
+    history because the log does not show every event of their kind for the
+    requests it names (such a kind cannot be declared observed).
     """
 
     engine: str
@@ -101,6 +106,7 @@ class ImportResult:
     debug: bool
     more_at_debug: tuple[str, ...] = ()
     overlong: int = 0
+    dropped: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -115,6 +121,7 @@ class ImportResult:
             "debug": self.debug,
             "more_at_debug": list(self.more_at_debug),
             "overlong": self.overlong,
+            "dropped": self.dropped,
         }
 
 
@@ -188,9 +195,11 @@ class LogImporter:
     DEBUG_KINDS: ClassVar[tuple[str, ...]] = ()
     #: the fields each observed kind records (a kind not here records all)
     RECORDS: ClassVar[Mapping[str, tuple[str, ...]]] = {}
-    #: how a DEBUG line of this engine looks, in its text and JSON formats
-    #: (a log with one has the :attr:`DEBUG_KINDS` observed)
-    DEBUG_MARKS: ClassVar[tuple[str, ...]] = (" DEBUG ", '"DEBUG"')
+    #: how a DEBUG line of this engine looks, in its text and JSON formats,
+    #: searched after colour codes are removed (a log with one has the
+    #: :attr:`DEBUG_KINDS` observed; so has a log where a line of a format
+    #: the engine logs at DEBUG level matched)
+    DEBUG_MARKS: ClassVar[tuple[str, ...]] = (" DEBUG ", '"DEBUG"', "[DEBUG]")
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {p.name: 0 for p in self.PATTERNS}
@@ -199,15 +208,22 @@ class LogImporter:
         self.debug = False
         self.lines = 0
         self.overlong = 0
-        self._handlers = [(p.name, p.anchor, p.regex, getattr(self, p.handler)) for p in self.PATTERNS]
+        #: request ids to write differently in events already spooled (an id
+        #: learnt to be another name of a request after its first events)
+        self.renames: dict[str, str] = {}
+        self._handlers = [(p.name, p.anchor, p.regex, getattr(self, p.handler), p.level == "DEBUG")
+                          for p in self.PATTERNS]
 
     def known(self, match: "re.Match[str]") -> list:
         """The handler of a known line that means no event."""
         return []
 
-    def observed(self) -> tuple[str, ...]:
-        """The event kinds this log lets the history declare observed."""
-        kinds = set(self.KINDS) | (set(self.DEBUG_KINDS) if self.debug else set())
+    def observed(self, debug: bool | None = None) -> tuple[str, ...]:
+        """The event kinds this log lets the history declare observed (with
+        ``debug``: those it would at that level): kinds of which the log
+        shows every event for the requests the history names."""
+        debug = self.debug if debug is None else debug
+        kinds = set(self.KINDS) | (set(self.DEBUG_KINDS) if debug else set())
         return tuple(sorted(kinds))
 
     def observation(self, kinds: Iterable[str] | None = None) -> Observation:
@@ -240,22 +256,25 @@ class LogImporter:
         handlers = self._handlers
         handoff = self.HANDOFF
         marks = self.DEBUG_MARKS
-        debug = not marks
+        debug = self.debug or not marks  # no marks: the engine's lines carry no level
         lineno = 0
         for lineno, line in enumerate(lines, 1):
+            if "\x1b" in line:
+                line = _ANSI.sub("", line)
             if not debug:
-                for mark in marks:
-                    if mark in line:
-                        debug = self.debug = True
-                        break
+                if line.startswith("DEBUG "):
+                    debug = self.debug = True
+                else:
+                    for mark in marks:
+                        if mark in line:
+                            debug = self.debug = True
+                            break
             for keyword in keywords:
                 if keyword in line:
                     break
             else:
                 continue
-            if "\x1b" in line:
-                line = _ANSI.sub("", line)
-            for name, anchor, regex, handle in handlers:
+            for name, anchor, regex, handle, at_debug in handlers:
                 if anchor in line:
                     match = regex.search(line)
                     if match is not None:
@@ -264,6 +283,8 @@ class LogImporter:
                             self._unrecognised(lineno, line)
                             break
                         self.counts[name] += 1
+                        if at_debug and not debug:  # the engine logs this format at DEBUG only
+                            debug = self.debug = True
                         for obj in out:
                             obj[LOG_LINE_KEY] = lineno
                             yield obj
@@ -293,25 +314,45 @@ class LogImporter:
         )
 
 
+#: How much of the start of a log is looked at for signs of a binary file.
+_SNIFF = 8192
+
+
 def _open_log(path: str) -> IO[str]:
-    if path == "-":
-        return open(sys.stdin.fileno(), encoding="utf-8", errors="replace", newline="\n", closefd=False)
+    """The log at ``path`` ('-': standard input) as text; a binary or
+    gzip-compressed file is refused (read as text, it would import as an empty
+    history)."""
     try:
-        return open(path, encoding="utf-8", errors="replace", newline="\n")
+        raw = open(sys.stdin.fileno(), "rb", closefd=False) if path == "-" else open(path, "rb")
     except FileNotFoundError:
         raise UsageError("LOG", path, "a readable log file (no such file)") from None
     except IsADirectoryError:
         raise UsageError("LOG", path, "a readable log file, not a directory") from None
     except OSError as exc:
         raise UsageError("LOG", path, f"a readable log file ({exc.strerror or exc})") from None
+    try:
+        head = raw.peek(_SNIFF)[:_SNIFF]
+    except OSError as exc:
+        raw.close()
+        raise UsageError("LOG", path, f"a readable log file ({exc.strerror or exc})") from None
+    if head.startswith(b"\x1f\x8b"):
+        raw.close()
+        raise UsageError("LOG", path, "a text log (this one is gzip-compressed: gunzip it first)")
+    if b"\0" in head:
+        raw.close()
+        raise UsageError("LOG", path, "a text log (this one is a binary file: NUL bytes in its first 8 KiB)")
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="\n")
 
 
 def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None) -> ImportResult:
     """Read the log at ``log`` ('-': standard input) with ``importer`` and
     write the partial history to ``out``: a path (written to a temporary file
     beside it and renamed over it only when complete, so an existing file is
-    never left half-written), an open text stream, or None (standard output).
+    never left half-written; '-' is standard output), an open text stream,
+    or None (standard output).
     """
+    if out == "-":
+        out = None
     with _open_log(log) as fh, tempfile.TemporaryFile(mode="w+", encoding="utf-8") as spool:
         # The spool starts with a provisional header observing every kind the
         # engine can show, so the writer checks each event against it; the
@@ -319,24 +360,32 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         widest = importer.header(importer.observation(importer.KINDS + importer.DEBUG_KINDS))
         writer = HistoryWriter(spool, widest)
         observed, features = widest.observed, widest.features
-        count = 0
+        written: set[str] = set()
+        add_kind = written.add
+        total = 0
         write = writer.write
         try:
             for obj in importer.events(importer.lines_of(fh)):
+                add_kind(obj["ev"])
                 write(parse_event(obj, features, False, observed))
-                count += 1
+                total += 1
         except OSError as exc:  # reading the log (or writing the spool) failed midway
             raise UsageError("LOG", log, f"a log that can be read to its end ({exc.strerror or exc})") from None
         header = importer.header()
+        keep = frozenset(header.observed.kinds)
         spool.seek(0)
         spool.readline()
+
+        def copy(stream: IO[str]) -> tuple[int, int]:
+            return _copy_events(spool, total, stream, importer.renames, keep if written - keep else None)
+
         if out is None or not isinstance(out, str):
             stream = sys.stdout if out is None else out
             HistoryWriter(stream, header)
-            shutil.copyfileobj(spool, stream)
+            count, dropped = copy(stream)
             stream.flush()
         else:
-            _write_atomically(out, header, spool)
+            count, dropped = _write_atomically(out, header, copy)
     return ImportResult(
         engine=importer.ENGINE,
         source=importer.SOURCE,
@@ -345,22 +394,65 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         recognised=dict(importer.counts),
         unrecognised=importer.unrecognised,
         examples=tuple(importer.examples),
-        observed=importer.observed(),
+        observed=tuple(sorted(keep)),
         debug=importer.debug,
-        more_at_debug=() if importer.debug else tuple(sorted(importer.DEBUG_KINDS)),
+        more_at_debug=() if importer.debug else tuple(sorted(set(importer.observed(True)) - keep)),
         overlong=importer.overlong,
+        dropped=dropped,
     )
 
 
-def _write_atomically(path: str, header: HistoryHeader, spool: IO[str]) -> None:
+def _copy_events(spool: IO[str], total: int, stream: IO[str], renames: Mapping[str, str],
+                 keep: frozenset[str] | None) -> tuple[int, int]:
+    """Copy the ``total`` spooled events to ``stream``, each request id in ``renames``
+    written as its new name, and (``keep`` not None) only the events of the
+    kinds in ``keep``; returns (events written, events left out)."""
+    if not renames and keep is None:  # the common case: the spool as it is
+        shutil.copyfileobj(spool, stream)
+        return total, 0
+    count = dropped = 0
+    write = stream.write
+    for line in spool:
+        obj = json.loads(line)
+        if keep is not None and obj["ev"] not in keep:
+            dropped += 1
+            continue
+        request = obj.get("request")
+        if request in renames:
+            obj["request"] = renames[request]
+        write(json.dumps(obj, separators=(", ", ": ")) + "\n")
+        count += 1
+    return count, dropped
+
+
+def _write_atomically(path: str, header: HistoryHeader, copy: Callable[[IO[str]], tuple[int, int]]) -> tuple[int, int]:
+    """Write ``header`` and ``copy``'s events to a temporary file beside
+    ``path`` and rename it over ``path``; the file gets the mode of the one
+    it replaces, or that of a new file under the umask.  A file system error
+    is a :class:`UsageError` naming ``-o``."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".pdproto-import-", suffix=".tmp", dir=directory)
     try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = 0o666 & ~_umask()
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".pdproto-import-", suffix=".tmp", dir=directory)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             HistoryWriter(fh, header)
-            shutil.copyfileobj(spool, fh)
+            counts = copy(fh)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+        return counts
+    except BaseException as exc:
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(exc, OSError):
+            raise UsageError("-o", path, f"a file you may write ({exc.strerror or exc})") from None
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -13,7 +13,7 @@ is either in the message (``for request R: E``) or a field (``request_id=R``,
 |---|---|
 | ``Failed to mark prefill completed for request R: E`` (WARN, ``dynamo_llm::kv_router``) | none: R's first token reached the router (its prefill is over) but the router's books did not hold R; a ``prefill_done`` needs the first token and the prompt length, which the line lacks |
 | ``Failed to free request R: E`` (WARN, same) | none: the response stream of R ended (finished or cancelled: the line does not say which), and the router's books did not hold R |
-| ``Request R cancelled, ending stream`` (DEBUG, same) | ``cancel`` (R) |
+| ``Request R cancelled, ending stream`` (DEBUG, same), or as current Dynamo logs it, ``Request cancelled, ending stream`` with a ``request_id`` field (DEBUG, ``kv_router::push_router``) | ``cancel`` (R) |
 
 The router's books are not KV blocks on a worker, so "Failed to free request"
 is no ``free``: both router warnings are counted (``recognised``, and the
@@ -38,6 +38,9 @@ SOURCE = "Dynamo 0.7.x (lib/llm/src/kv_router.rs as of December 2025; the later 
 #: the request id after the message: ``for request R:`` / ``request R:`` in the
 #: message, or a ``request_id`` field (text or JSON)
 _ID = r"(?:\s(?P<id>[^\s:=\"']+):|.*?request_id[\"']?\s*[=:]\s*[\"']?(?P<fid>[^\s\"',}]+))?"
+#: a ``request_id`` field anywhere in a line (text ``request_id=R`` /
+#: ``request_id="R"``, JSON ``"request_id": "R"``)
+_FIELD = re.compile(r"\brequest_id[\"']?\s*[=:]\s*[\"']?(?P<fid>[^\s\"',}]+)")
 
 
 class DynamoImporter(LogImporter):
@@ -59,15 +62,20 @@ class DynamoImporter(LogImporter):
         Pattern("free_failed", "Failed to free request",
                 re.compile(r"Failed to free request" + _ID), "known", "WARN"),
         Pattern("cancelled", "cancelled, ending stream",
-                re.compile(r"Request (?P<id>\S+) cancelled, ending stream"), "_cancelled", "DEBUG"),
+                re.compile(r"Request(?: (?P<id>[^\s\"']+))? cancelled, ending stream"), "_cancelled", "DEBUG"),
     )
 
     def __init__(self) -> None:
         super().__init__()
         self._once = Bounded()
 
-    def _cancelled(self, match: "re.Match[str]") -> list:
+    def _cancelled(self, match: "re.Match[str]") -> list | None:
         request = match.group("id")
+        if request is None:  # the request_id field, before or after the message
+            field = _FIELD.search(match.string)
+            if field is None:
+                return None  # a cancel that names no request: warned
+            request = field.group("fid")
         if not self._once.add(("cancel", request)):
             return []
         return [{"ev": "cancel", "request": request, "reason": "abort"}]

@@ -9,12 +9,14 @@ then abort the request (``prepare_abort``, HTTP 500).  An SGLang log line is
 
 | line (level, file) | events |
 |---|---|
-| ``Prefill transfer failed for request rank=N req.rid='R' req.bootstrap_room=B with exception E`` (WARNING, ``prefill.py``) | ``transfer_failed`` (R, ticket B) and R's end |
+| ``Prefill transfer failed for request rank=N req.rid='R' req.bootstrap_room=B with exception E`` (WARNING, ``prefill.py``) | ``transfer_failed`` (R, ticket B) and R's end; only ``cancel`` when E is ``Aborted by AbortReq`` |
 | ``Decode transfer failed for request rank=N decode_req.req.rid='R' decode_req.req.bootstrap_room=B with exception E`` (ERROR, ``decode.py``) | same |
 | ``Prefill bootstrap failed for request rank=N ...`` (WARNING, ``prefill.py``), ``Decode handshake failed for request rank=N ...`` (ERROR, ``decode.py``) | R's end (no transfer started) |
 
-R's end is ``cancel`` (reason ``abort``) when E says ``Aborted by AbortReq``
-(the client aborted), else ``fail`` (reason: the failure, ``timeout`` when E
+R's end is ``cancel`` (reason ``abort``) when E says ``Aborted by AbortReq``:
+the client aborted the request, and SGLang reports the abort through the same
+failure path (``req.to_abort`` set), so no transfer failed and only the
+``cancel`` is written; else it is ``fail`` (reason: the failure, ``timeout`` when E
 says it timed out).  Both spellings of the ids are read: ``req.rid='R'
 req.bootstrap_room=B`` (0.5.x) and ``rid=R bootstrap_room=B`` (the newer
 handshake line).  Each rank logs the same line: one transfer failure per
@@ -37,8 +39,12 @@ SOURCE = "SGLang 0.5.x (python/sglang/srt/disaggregation/prefill.py, decode.py)"
 _IDS = r"rank=(\d+) \S*?rid='?([^'\s:]+)'? \S*?bootstrap_room='?(\w+)'?:?(.*)$"
 
 
+#: what the exception of a request the client aborted says
+_ABORTED = "Aborted by AbortReq"
+
+
 def _end(request: str, rest: str, what: str) -> dict:
-    if "Aborted by AbortReq" in rest:
+    if _ABORTED in rest:
         return {"ev": "cancel", "request": request, "reason": "abort"}
     reason = "timeout" if "timed out" in rest else what
     return {"ev": "fail", "request": request, "reason": reason}
@@ -82,6 +88,8 @@ class SglangImporter(LogImporter):
     def _transfer(self, match: "re.Match[str]") -> list:
         rank, request, room, rest = match.groups()
         out = []
+        if _ABORTED in rest:  # the client's abort, reported on the failure path: no transfer failed
+            return self._ending(request, rest, "abort")
         if self._failed.add((request, room)):
             out.append({"ev": "transfer_failed", "request": request, "ticket": room,
                         "rank": int(rank)})

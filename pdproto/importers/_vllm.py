@@ -28,10 +28,11 @@ rank; the importer writes one event per request for them.
 
 from __future__ import annotations
 
+import collections
 import re
 from typing import Any, ClassVar
 
-from ._base import Bounded, LogImporter, Pattern
+from ._base import MAX_TRACKED, Bounded, LogImporter, Pattern
 
 __all__ = ["VllmImporter", "SOURCE"]
 
@@ -48,11 +49,24 @@ _FINISHED = {
     "FINISHED_IGNORED": ("fail", "ignored"),
     "FINISHED_REPETITION": ("finish", "repetition"),
 }
-#: NIXL failure types after which no byte of that request's READ can still move.
+#: NIXL failure types after which no byte of that request's READ can still move
+#: (``nixl/base_worker.py``, ``pull_worker.py``: ``_log_failure``).
 _FAILED_TYPES = frozenset(
-    {"transfer_failed", "transfer_exception", "transfer_setup_failed", "handshake_failed", "handshake_setup_failed"}
+    {"transfer_failed", "transfer_exception", "transfer_setup_failed", "handshake_failed"}
 )
+#: NIXL failure types that mean no event: a notification to P that could not be
+#: sent (P frees at its lease's end, logged then), a handle whose release failed
+#: (the READ's end is logged when it finally finishes), a handshake with an
+#: engine that failed (no request: each waiting request gets its own
+#: ``handshake_failed`` line).  Any other type is warned about, never guessed at.
+_NO_EVENT_TYPES = frozenset({"notification_failed", "transfer_release_failed", "handshake_setup_failed"})
 _REQUEST_ID = re.compile(r"""['"]request_id['"]:\s*(?:'([^']*)'|"([^"]*)"|None)""")
+_REMOTE_REQUEST_ID = re.compile(r"""['"]remote_request_id['"]:\s*(?:'([^']*)'|"([^"]*)")""")
+
+
+def _id(pattern: "re.Pattern[str]", text: str) -> str | None:
+    found = pattern.search(text)
+    return (found.group(1) or found.group(2)) if found else None
 
 
 def _status(text: str) -> str:
@@ -121,6 +135,52 @@ class VllmImporter(LogImporter):
         self._received = Bounded()  # D requests whose KV arrived and that have not ended
         self._failed = Bounded()  # D requests whose READ failed: their finished_recving wrote nothing
         self._once = Bounded()  # (line kind, request) of worker-side lines: one per TP rank
+        #: D id -> P id of the D requests whose name on P is known (the
+        #: oldest forgotten beyond MAX_TRACKED: a D request's lines after its
+        #: link are those of its own end)
+        self._name: "collections.OrderedDict[str, str]" = collections.OrderedDict()
+        self._unnamed: set[str] = set()  # D requests with events written, their name on P not yet known
+        self.p_side = False  # lines only a prefill instance logs were read
+        self.d_side = False  # lines only a decode instance logs were read
+
+    def observed(self, debug: bool | None = None) -> tuple[str, ...]:
+        """The kinds of which this log shows every event for the requests
+        it names: P's kinds when P's lines are in it, D's when D's are, and
+        D's only-D kinds not when P's requests are there too and a D request
+        of the log could not be linked to its P request (its name on P
+        unknown: the P request's D events would be missing)."""
+        debug = self.debug if debug is None else debug
+        kinds: set[str] = set()
+        if self.p_side:
+            kinds |= {"free", "transfer_read_done"}
+            if debug:
+                kinds |= {"cancel", "fail"}
+        if self.d_side and not (self.p_side and self._unnamed):
+            kinds.add("transfer_failed")
+            if debug:
+                kinds |= {"cancel", "fail", "finish", "free", "transfer_write_done"}
+        return tuple(sorted(kinds))
+
+    def _link(self, d_request: str, p_request: str) -> None:
+        """D's ``d_request`` is ``p_request`` on P: its events are written
+        under P's name (those already written are renamed at the end)."""
+        if d_request in self._unnamed:
+            self._unnamed.discard(d_request)
+            if d_request != p_request:
+                self.renames[d_request] = p_request
+        if d_request != p_request and d_request not in self._name:
+            self._name[d_request] = p_request
+            if len(self._name) > MAX_TRACKED:
+                self._name.popitem(last=False)
+
+    def _d(self, d_request: str) -> str:
+        """The name to write for D's ``d_request``: its name on P when known."""
+        self.d_side = True
+        name = self._name.get(d_request)
+        if name is None:
+            self._unnamed.add(d_request)
+            return d_request
+        return name
 
     def _request_finished(self, match: "re.Match[str]") -> list:
         request, status, params = match.group(1), _status(match.group(2)), match.group(3)
@@ -131,41 +191,52 @@ class VllmImporter(LogImporter):
             return None  # a status this importer does not know (a number, a new name): warned
         kind, reason = _FINISHED[status]
         if p_side:
+            self.p_side = True
             if kind == "finish":
                 return []  # P's part is over; its blocks are held for D's READ (a lease)
             return [{"ev": kind, "request": request, "reason": reason},
                     {"ev": "free", "worker": P, "request": request}]
+        # D's params name the request on P (vLLM 0.11.1 on: each instance
+        # suffixes the id); without remote_request_id both sides share the id
+        self._link(request, _id(_REMOTE_REQUEST_ID, params) or request)
+        d_request = request
+        request = self._d(d_request)
         ended = {"ev": kind, "request": request, "reason": reason}
-        if kind == "finish" or self._received.discard(request):
+        if kind == "finish" or self._received.discard(d_request):
             # decoding (its KV arrived): the blocks go back now
             return [ended, {"ev": "free", "worker": D, "request": request}]
         # still waiting for its KV (or never loading it): vLLM holds the
         # blocks until the READ ends (vllm#32255), see finished_recving
-        self._cancelled.add(request)
+        self._cancelled.add(d_request)
         return [ended]
 
     def _finished_sending(self, match: "re.Match[str]") -> list:
         request = match.group(1)
+        self.p_side = True
         if self._expired.discard(request):
             return []  # the expiry's free, written at the expiry line
         return [{"ev": "transfer_read_done", "request": request, "src": P},
                 {"ev": "free", "worker": P, "request": request}]
 
     def _finished_recving(self, match: "re.Match[str]") -> list:
-        request = match.group(1)
+        d_request = match.group(1)
+        request = self._d(d_request)
         # a failed READ is reported as finished too (with its blocks invalid):
         # its failure line came first, and nothing was written
-        failed = self._failed.discard(request)
+        failed = self._failed.discard(d_request)
         out: list[dict[str, Any]] = [] if failed else [
             {"ev": "transfer_write_done", "request": request, "dst": D}]
-        if self._cancelled.discard(request):
+        if self._cancelled.discard(d_request):
             out.append({"ev": "free", "worker": D, "request": request})
         else:
-            self._received.add(request)
+            self._received.add(d_request)
+        if not out and request == d_request:
+            self._unnamed.discard(d_request)  # nothing written under this name
         return out
 
     def _lease_expired(self, match: "re.Match[str]") -> list:
         request = match.group(1)
+        self.p_side = True
         if not self._once.add(("expired", request)):
             return []
         self._expired.add(request)
@@ -174,18 +245,25 @@ class VllmImporter(LogImporter):
 
     def _late_read(self, match: "re.Match[str]") -> list:
         request = match.group(1)
+        self.p_side = True
         if not self._once.add(("late_read", request)):
             return []
         return [{"ev": "transfer_read_done", "request": request, "src": P,
                  "reason": "read by a decode worker after P released it"}]
 
-    def _failure(self, match: "re.Match[str]") -> list:
+    def _failure(self, match: "re.Match[str]") -> list | None:
         failure, context = match.group(1), match.group(2)
+        if failure in _NO_EVENT_TYPES:
+            return []
         if failure not in _FAILED_TYPES:
+            return None  # a failure type this importer does not know: warned
+        d_request = _id(_REQUEST_ID, context)
+        if not d_request:
+            return None  # a failure that names no request: warned
+        if not self._once.add(("failed", d_request)):
             return []
-        found = _REQUEST_ID.search(context)
-        request = (found.group(1) or found.group(2)) if found else None
-        if not request or not self._once.add(("failed", request)):
-            return []
-        self._failed.add(request)
-        return [{"ev": "transfer_failed", "request": request, "dst": D, "reason": failure}]
+        remote = _id(_REMOTE_REQUEST_ID, context)
+        if remote:
+            self._link(d_request, remote)
+        self._failed.add(d_request)
+        return [{"ev": "transfer_failed", "request": self._d(d_request), "dst": D, "reason": failure}]
