@@ -260,32 +260,38 @@ def _match(me: Event, re: Event, ren: _Ren) -> _Ren | None:
 _WRITE_GATES = frozenset(("commit", "decode"))
 
 
-def _may_pass(lagging: Event, e: Event) -> bool:
-    """Whether ``e`` may be seen before ``lagging``, an earlier event of the same step."""
-    kind = lagging.EV
-    if kind == "transfer_write_done":
-        return e.EV not in _WRITE_GATES
-    if kind == "transfer_read_done":
-        return e.EV == "transfer_write_done"  # (the renaming keeps it the same transfer)
-    if kind == "free":  # one step's frees (cleanup on P and on D) are independent of each other
-        return e.EV == "free"
+def _may_pass(lagging: Event, kind: str) -> bool:
+    """Whether an event of ``kind`` may be seen before ``lagging``, an earlier event of the same step."""
+    lag = lagging.EV
+    if lag == "transfer_write_done":
+        return kind not in _WRITE_GATES
+    if lag == "transfer_read_done":
+        return kind == "transfer_write_done"  # (the renaming keeps it the same transfer)
+    if lag == "free":  # one step's frees (cleanup on P and on D) are independent of each other
+        return kind == "free"
     return False
 
 
-def _matches(events: tuple, e: Event, ren: _Ren) -> Iterable[tuple[int, _Ren]]:
-    """``(i, renaming)`` for each event ``events[i]`` that real event ``e``
-    can be: the first one, or a later one that every earlier one lets pass
+def _positions(events: tuple, kind: str) -> Iterable[int]:
+    """The indices ``i`` of the events an event of ``kind`` can be: the
+    first one, or a later one that every earlier one lets pass
     (:func:`_may_pass`).  A model step's events are otherwise seen in order."""
     for i, pe in enumerate(events):
-        if type(pe) is type(e):
-            r = _match(pe, e, ren)
-            if r is not None:
-                yield i, r
-        if not _may_pass(pe, e):
+        if pe.EV == kind:
+            yield i
+        if not _may_pass(pe, kind):
             return
 
 
-def _unbind_blocks(ren: _Ren, keep: set) -> _Ren:
+def _matches(events: tuple, e: Event, ren: _Ren) -> Iterable[tuple[int, _Ren]]:
+    """``(i, renaming)`` for each event ``events[i]`` that real event ``e`` can be."""
+    for i in _positions(events, e.EV):
+        r = _match(events[i], e, ren)
+        if r is not None:
+            yield i, r
+
+
+def _unbind_blocks(ren: _Ren, keep: frozenset) -> _Ren:
     """``ren`` without the block bindings whose model block is not in ``keep``."""
     drop = [k for k in ren.fwd if k[0] == "b" and (k[1], k[2]) not in keep]
     if not drop:
@@ -310,6 +316,8 @@ class _Proj:
         self.max_silent = max_silent
         self._succ: dict = {}
         self._closure: dict = {}
+        self._cands: dict = {}
+        self._live: dict = {}
         self.budget0 = getattr(model, "budget0", None)
         self.handoff = self.budget0 is not None and hasattr(model, "wname")
         #: the renaming keys of the model's workers (None: look for them)
@@ -366,8 +374,34 @@ class _Proj:
                 return True
         return False
 
-    def live_blocks(self, s: Any) -> set:
+    def candidates(self, s: Any, pending: tuple, kind: str) -> tuple:
+        """``(model event, next state, events still to see)`` for each way an
+        event of ``kind`` can come next from configuration ``(s, pending)``:
+        one of the pending events, or (none pending) an event of a step from
+        the silent closure of ``s``.  Memoised."""
+        key = (s, pending, kind)
+        out = self._cands.get(key)
+        if out is None:
+            found: dict = {}
+            if pending:
+                for i in _positions(pending, kind):
+                    found.setdefault((pending[i], s, pending[:i] + pending[i + 1 :]))
+            else:
+                for t in self.closure(s):
+                    for _, ns, obs in self.succ(t):
+                        for i in _positions(obs, kind):
+                            found.setdefault((obs[i], ns, obs[:i] + obs[i + 1 :]))
+            out = self._cands[key] = tuple(found)
+        return out
+
+    def live_blocks(self, s: Any) -> frozenset:
         """The model blocks ``(model worker, block)`` state ``s`` still knows."""
+        out = self._live.get(s)
+        if out is None:
+            out = self._live[s] = frozenset(self._live_blocks(s))
+        return out
+
+    def _live_blocks(self, s: Any) -> set:
         if not self.handoff:
             return set()
         wn = self.model.wname
@@ -614,15 +648,12 @@ class _Search:
     def advance(self, rq: _Request, e: Event, line: int) -> list:
         proj = rq.proj
         out: dict = {}
+        kind = e.EV
         for c in rq.cfgs:
-            if c.pending:
-                for i, ren in _matches(c.pending, e, c.ren):
-                    self._add(out, proj, c.state, c.pending[:i] + c.pending[i + 1 :], ren)
-                continue
-            for s in proj.closure(c.state):
-                for _, ns, obs in proj.succ(s):
-                    for i, ren in _matches(obs, e, c.ren):
-                        self._add(out, proj, ns, obs[:i] + obs[i + 1 :], ren)
+            for pe, ns, rest in proj.candidates(c.state, c.pending, kind):
+                ren = _match(pe, e, c.ren)
+                if ren is not None:
+                    self._add(out, proj, ns, rest, ren)
         return list(out.values())
 
     def _add(self, out: dict, proj: _Proj, state: Any, pending: tuple, ren: _Ren) -> None:
