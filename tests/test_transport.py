@@ -16,12 +16,13 @@ torch = pytest.importorskip("torch")
 
 from conftest import EXAMPLES  # noqa: E402
 
-from pdproto import UsageError  # noqa: E402
+from pdproto import HistoryHeader, TransportError, UsageError  # noqa: E402
 from pdproto._cli import main  # noqa: E402
 from pdproto.backends._transport import (  # noqa: E402
     BlockMove,
     CopyTransport,
     Transfer,
+    Transport,
     block_views,
     byte_runs,
     make_transport,
@@ -46,14 +47,30 @@ MOVES = [
 ]
 
 
+def expected_move(dst, src, m):
+    """``dst`` after ``m``, element by element from BlockMove's formula
+    (``dst[dst_ids[i], slots, dl, :, dheads] = src[src_ids[i], slots, sl, :, sheads]``),
+    without block_views."""
+    want = dst.view(torch.int16).clone()
+    bits = src.view(torch.int16)
+    (dh0, dh1), (sh0, sh1) = m.heads if m.heads is not None else ((0, dst.shape[4]), (0, src.shape[4]))
+    t0, t1 = m.slots if m.slots is not None else (0, dst.shape[1])
+    for d, s in zip(m.dst_ids, m.src_ids):
+        for t in range(t0, t1):
+            for k in range(m.dl[1] - m.dl[0]):
+                for kv in range(dst.shape[3]):
+                    for h in range(dh1 - dh0):
+                        for e in range(dst.shape[5]):
+                            want[d, t, m.dl[0] + k, kv, dh0 + h, e] = bits[s, t, m.sl[0] + k, kv, sh0 + h, e]
+    return want.view(dst.dtype)
+
+
 @pytest.mark.parametrize("spec", MOVES, ids=range(len(MOVES)))
 def test_copy_transport_moves_exactly_the_selected_elements(spec):
     src, dst = pools()
     m = BlockMove(dst, spec["dst_ids"], src, spec["src_ids"], spec["dl"], spec["sl"], spec.get("heads"),
                   spec.get("slots"))
-    want = dst.clone()
-    for d, s in block_views(BlockMove(want, m.dst_ids, src, m.src_ids, m.dl, m.sl, m.heads, m.slots)):
-        d.copy_(s)
+    want = expected_move(dst, src, m)
     CopyTransport().run(Transfer("x", "P0", "D0", False, [m]))
     assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
     assert not torch.equal(dst.view(torch.int16), torch.zeros_like(dst.view(torch.int16)))
@@ -76,9 +93,7 @@ def test_byte_runs_move_what_copy_moves(spec):
     src, dst = pools(seed=1)
     m = BlockMove(dst, spec["dst_ids"], src, spec["src_ids"], spec["dl"], spec["sl"], spec.get("heads"),
                   spec.get("slots"))
-    want = dst.clone()
-    CopyTransport().run(Transfer("x", "P0", "D0", False,
-                                 [BlockMove(want, m.dst_ids, src, m.src_ids, m.dl, m.sl, m.heads, m.slots)]))
+    want = expected_move(dst, src, m)
     runs = 0
     for d, s in block_views(m):
         da, sa, n = byte_runs(d, s)
@@ -185,3 +200,196 @@ def test_eager_timing_closes_exactly_the_race_windows(path):
 def test_transfer_timing_is_checked():
     with pytest.raises(UsageError, match="adversarial, eager"):
         replay(os.path.join(EXAMPLES, "clean-push.jsonl"), timing="late")
+
+
+# -- the transport's contract, with scripted libraries (review findings of issue 13) ----------
+
+
+class Scripted(Transport):
+    """A library transport scripted by the test: ``state`` is what poll
+    says; an aborted transfer lands only with ``lands``; fail() records the
+    views it was given and (a library that does not fail) moves them."""
+
+    name = "scripted"
+
+    def __init__(self, state="DONE", lands=True, **options):
+        super().__init__(**options)
+        self.state, self.lands = state, lands
+        self.pulls, self.failed_pairs = [], []
+
+    def start(self, x):
+        self.pulls.append(x.pull)
+        if not self.lands:
+            return x
+        for m in x.moves:
+            for d, s in block_views(m):
+                d.copy_(s)
+        for d, s in x.pairs:
+            d.copy_(s)
+        return x
+
+    def poll(self, handle):
+        return self.state
+
+    def abort(self, handle):
+        return True
+
+    def fail(self, x):
+        self.failed_pairs.extend(x.pairs)
+        for d, s in x.pairs:
+            d.copy_(s)
+        return super().fail(x)
+
+
+def one_move(blocks=4):
+    src, dst = pools(blocks=blocks)
+    return src, dst, Transfer("x", "P0", "D0", True, [BlockMove(dst, [0, 1], src, [2, 3], (0, 3), (0, 3))])
+
+
+def test_a_transfer_stuck_in_progress_is_a_transport_error_after_the_timeout():
+    t = Scripted(state="PROC", timeout=0.05)
+    _src, _dst, x = one_move()
+    with pytest.raises(TransportError, match=r"transfer 'x' from 'P0' to 'D0': still in progress after 0.05 s"):
+        t.run(x)
+    assert t.statistics().timeouts == 1
+    with pytest.raises(UsageError, match="transport timeout"):
+        Scripted(timeout=0)
+
+
+def test_a_transfer_the_library_cancelled_is_counted_and_not_landed():
+    t = Scripted(lands=False, abort_timeout=0.01)
+    _src, dst, x = one_move()
+    assert t.run(x, aborted=True) is False
+    s = t.statistics()
+    assert (s.aborts, s.aborts_cancelled, s.aborts_landed, s.aborts_unknown) == (1, 1, 0, 0)
+    assert "cancelled by the library" in s.errors[-1] and not dst.view(torch.int16).any()
+    landing = Scripted(abort_timeout=0.01)
+    assert landing.run(one_move()[2], aborted=True) is True
+    assert landing.statistics().aborts_landed == 1
+
+
+def test_an_abort_whose_target_already_held_the_bytes_is_not_counted_as_landed():
+    t = Scripted(lands=False, abort_timeout=0.01)
+    src, dst, x = one_move()
+    dst[0:2] = src[2:4]  # the target equals the source before the transfer: landing cannot be told
+    assert t.run(x, aborted=True) is True
+    s = t.statistics()
+    assert (s.aborts_unknown, s.aborts_landed, s.aborts_cancelled) == (1, 0, 0)
+
+
+def test_the_backend_does_not_stamp_a_cancelled_write_as_landed():
+    """early-target-reuse: the history aborts x-r1-0; a library that cancels
+    it leaves the target as it was, and the backend knows it (no
+    kv-corruption from bytes that never landed)."""
+    from pdproto.backends._torch import TorchBackend
+    from pdproto.spec._history import open_history
+
+    path = os.path.join(EXAMPLES, "early-target-reuse.jsonl")
+    t = Scripted(lands=False, abort_timeout=0.01)
+    with open_history(path) as reader:
+        b = TorchBackend(reader.header, transport=t)
+        for line, ev in reader:
+            b.apply(ev, line)
+    b.finish()
+    x = b._xfers["x-r1-0"]
+    assert x.cancelled and x.write_stamp == 0
+    assert t.statistics().aborts_cancelled == 1
+    assert [(v.invariant, v.line) for v in replay(path, transport=Scripted(lands=False, abort_timeout=0.01)
+                                                  ).violations] == [("early-target-reuse", 10)]
+
+
+def test_replay_policy_reaches_the_transport():
+    path = os.path.join(EXAMPLES, "clean-push.jsonl")
+    for policy, pull in ((None, False), ("pull", True), ("push", False)):
+        t = Scripted()
+        replay(path, policy=policy, transport=t)
+        assert t.pulls and set(t.pulls) == {pull}, policy
+
+
+def test_an_injected_failure_never_writes_into_the_target_pool():
+    """A library that moves the bytes of a transfer it was to fail: they
+    land in a scratch block, not in D's pool."""
+    from pdproto.backends._torch import TorchBackend
+    from pdproto.spec._history import open_history
+
+    path = os.path.join(EXAMPLES, "retry-after-failure.jsonl")
+    t = Scripted()
+    with open_history(path) as reader:
+        b = TorchBackend(reader.header, transport=t)
+        for line, ev in reader:
+            b.apply(ev, line)
+    b.finish()
+    assert t.failed_pairs
+    pools_ = [p for w in b._workers.values() for p in w.pools]
+    for d, _s in t.failed_pairs:
+        base = d if d._base is None else d._base
+        assert all(base.data_ptr() != p.data_ptr() for p in pools_)
+    assert ([(v.invariant, v.line) for v in replay(path, transport=Scripted()).violations]
+            == [(v.invariant, v.line) for v in replay(path).violations])
+
+
+def test_transport_error_lives_in_layer_0_and_the_names_are_exported():
+    import subprocess
+
+    import pdproto
+    import pdproto.backends as backends
+    from pdproto import _errors
+    from pdproto.backends import _transport
+
+    assert pdproto.TransportError is _errors.TransportError is _transport.TransportError
+    for name in ("TRANSPORTS", "Transport", "TransportError", "TransportStatistics", "make_transport"):
+        assert name in backends.__all__ and getattr(backends, name) is not None
+    assert _transport.TRANSPORTS is backends.TRANSPORTS
+    code = ("import sys; from pdproto.backends import TransportError, TRANSPORTS; "
+            "from pdproto.drivers import load_transport; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_cli_transport_choices_are_the_one_table(capsys):
+    from pdproto.backends._transports_table import TRANSPORTS
+
+    for argv in (["replay", os.path.join(EXAMPLES, "clean-push.jsonl")], ["check", "p-frees-source-on-timer"],
+                 ["fuzz", "p-frees-source-on-timer"]):
+        assert main(argv + ["--transport", "rdma"]) == 2
+        assert "choose from " + ", ".join(repr(n) for n in TRANSPORTS) in capsys.readouterr().err
+
+
+def test_a_factory_closes_the_transport_it_made_and_not_one_given(monkeypatch):
+    from pdproto.drivers import _replay
+
+    closed = []
+
+    class Closing(Scripted):
+        def close(self):
+            closed.append(self)
+
+    made = Closing()
+    monkeypatch.setattr(_replay, "load_transport", lambda name: made)
+    f = _replay.torch_backend_factory(transport="nixl")
+    assert f.transport is made and f(HistoryHeader()).transport is made
+    f.close()
+    assert closed == [made]
+    given = Closing()
+    g = _replay.torch_backend_factory(transport=given)
+    g.close()
+    assert closed == [made]
+
+
+@pytest.mark.parametrize("argv", [
+    ["check", "p-frees-source-on-timer", "--backend", "torch", "--transport", "nixl", "--max-states", "30"],
+    ["fuzz", "p-frees-source-on-timer", "--backend", "torch", "--transport", "nixl", "--examples", "2",
+     "--seed", "1", "--no-database"],
+], ids=["check", "fuzz"])
+def test_check_and_fuzz_close_their_transport(argv, monkeypatch, capsys):
+    from pdproto.drivers import _replay
+
+    closed = []
+
+    class Closing(CopyTransport):
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setattr(_replay, "load_transport", lambda name: Closing())
+    main(argv + ["--json"])
+    capsys.readouterr()
+    assert len(closed) == 1

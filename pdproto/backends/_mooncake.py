@@ -19,6 +19,12 @@ registered with its worker's engine (``register_memory``).
   engine returns an error status (-1); the memory is registered again.
 - ``restart``: the worker's memory is deregistered and registered again.
 
+The engine's own log (glog) ignores ``GLOG_minloglevel`` and prints
+"Logging before InitGoogleLogging()" and "Local segment descriptor not
+found" while an engine starts and registers memory: file descriptor 2 is
+sent to /dev/null around those calls (their outcome is the status the
+transport checks).
+
 Needs the system library ``libibverbs.so.1`` even for TCP (Debian/Ubuntu:
 ``apt-get install libibverbs1``); without it the import fails and the
 transport says so in one line.
@@ -26,14 +32,17 @@ transport says so in one line.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import sys
 from typing import Any
 
 import torch
 
 from .._errors import MissingExtraError, UsageError
-from ._transport import DONE, ERR, Registered, Transfer, TransportError
+from .._errors import TransportError
+from ._transport import DEFAULT_TIMEOUT, DONE, ERR, Registered, Transfer
 
 __all__ = ["MooncakeTransport", "load_mooncake"]
 
@@ -57,13 +66,33 @@ def load_mooncake() -> Any:
         raise TransportError("mooncake", "the engine cannot load", f"{exc}{hint}") from None
 
 
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """File descriptor 2 to /dev/null for the block (the engine's C++ log)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 (or a closed stderr): nothing to hide
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 class MooncakeTransport(Registered):
     """The ``mooncake`` transport (see the module docstring)."""
 
     name = "mooncake"
 
-    def __init__(self, *, host: str = "127.0.0.1") -> None:
-        super().__init__()
+    def __init__(self, *, host: str = "127.0.0.1", timeout: float = DEFAULT_TIMEOUT,
+                 abort_timeout: float = 2.0) -> None:
+        super().__init__(timeout=timeout, abort_timeout=abort_timeout)
         self.engine_module = load_mooncake()
         self.host = host
         self._engines: dict[str, Any] = {}
@@ -71,8 +100,9 @@ class MooncakeTransport(Registered):
     def engine(self, worker: str) -> Any:
         e = self._engines.get(worker)
         if e is None:
-            e = self.engine_module.TransferEngine()
-            rc = e.initialize(self.host, "P2PHANDSHAKE", "tcp", "")
+            with _quiet():
+                e = self.engine_module.TransferEngine()
+                rc = e.initialize(self.host, "P2PHANDSHAKE", "tcp", "")
             if rc != 0:
                 raise TransportError("mooncake", f"an engine for worker {worker!r}",
                                      f"initialize returned {rc}")
@@ -86,7 +116,9 @@ class MooncakeTransport(Registered):
         if base.device.type != "cpu":
             raise UsageError("--transport mooncake with --device", str(base.device), "cpu (host memory)")
         ptr, n = base.data_ptr(), base.numel() * base.element_size()
-        rc = self.engine(worker).register_memory(ptr, n)
+        e = self.engine(worker)
+        with _quiet():
+            rc = e.register_memory(ptr, n)
         if rc != 0:
             raise TransportError("mooncake", f"registering {n} bytes of {worker!r}", f"status {rc}")
         return (ptr, n)
@@ -125,10 +157,12 @@ class MooncakeTransport(Registered):
         for k, v in gone:
             self._deregister(peer, v[2])
         try:
-            rc = self._call(x)
+            with _quiet():  # the engine logs the refusal it reports as a status
+                rc = self._call(x)
         finally:
-            for k, v in gone:
-                self._engines[peer].register_memory(*v[2])
+            with _quiet():
+                for k, v in gone:
+                    self._engines[peer].register_memory(*v[2])
         text = (f"status {rc} (the peer's memory was deregistered)" if rc != 0
                 else "status 0: the engine moved bytes the peer had deregistered")
         self._error(text)
@@ -140,9 +174,10 @@ class MooncakeTransport(Registered):
         e = self._engines.get(worker)
         if e is None:
             return
-        for k, v in [(k, v) for k, v in self._regs.items() if k[0] == worker]:
-            e.unregister_memory(v[2][0])
-            e.register_memory(*v[2])
+        with _quiet():
+            for k, v in [(k, v) for k, v in self._regs.items() if k[0] == worker]:
+                e.unregister_memory(v[2][0])
+                e.register_memory(*v[2])
 
     def close(self) -> None:
         for key in list(self._regs):

@@ -11,7 +11,10 @@ its registrations changed.
 - push: a WRITE initiated by the prefill worker's agent; the decode worker
   is told by the notification.
 
-A transfer is done when the initiator's ``check_xfer_state`` says DONE;
+A transfer with no bytes to move is done at once (nothing is posted, no
+notification is expected).  A transfer is done when the initiator's
+``check_xfer_state`` says DONE (a :class:`~pdproto.TransportError` when it
+is still in progress after ``timeout`` seconds);
 then the peer's ``get_new_notifs`` must deliver its notification (waited for
 up to ``notify_timeout`` seconds; one that never comes is counted).
 
@@ -36,7 +39,8 @@ import numpy as np
 import torch
 
 from .._errors import MissingExtraError, UsageError
-from ._transport import DONE, ERR, PROC, Registered, Transfer, TransportError
+from .._errors import TransportError
+from ._transport import DEFAULT_TIMEOUT, DONE, ERR, PROC, Registered, Transfer
 
 __all__ = ["NixlTransport", "load_nixl"]
 
@@ -46,8 +50,11 @@ _IDS = itertools.count()
 def load_nixl() -> Any:
     """NIXL's Python API module: ``nixl_cu12._api`` (the ``nixl-cu12``
     wheel), else ``nixl._api`` (the ``nixl`` meta-package)."""
-    # the library's own log (C++) says nothing the transport does not report
+    # the library's own log (C++) says nothing the transport does not report;
+    # UCX's (read when its context is made) would print "UCX ERROR connect(...)
+    # failed" for a peer already closed
     os.environ.setdefault("NIXL_LOG_LEVEL", "FATAL")
+    os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
     for name in ("nixl_cu12._api", "nixl._api"):
         try:
             api = importlib.import_module(name)
@@ -63,15 +70,33 @@ def _library_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".strip()
 
 
+def _nixl_errors(api: Any) -> tuple[type[BaseException], ...]:
+    """The exception classes of NIXL's bindings (``nixlBackendError``,
+    ``nixlNotFoundError``, ...): the errors the library raises."""
+    try:
+        bindings = importlib.import_module(api.__name__.rsplit(".", 1)[0] + "._bindings")
+    except ImportError:
+        return ()
+    return tuple(v for k, v in sorted(vars(bindings).items())
+                 if k.startswith("nixl") and isinstance(v, type) and issubclass(v, Exception))
+
+
+#: notifications kept per worker that no transfer waited for (late ones): the oldest are dropped
+_MAX_NOTES = 1024
+
+
 class NixlTransport(Registered):
     """The ``nixl`` transport (see the module docstring).  ``notify_timeout``:
-    seconds to wait for a peer's notification."""
+    seconds to wait for a peer's notification; ``timeout`` and
+    ``abort_timeout``: those of :class:`~pdproto.backends._transport.Transport`."""
 
     name = "nixl"
 
-    def __init__(self, *, notify_timeout: float = 2.0, backends: tuple[str, ...] = ("UCX",)) -> None:
-        super().__init__()
+    def __init__(self, *, notify_timeout: float = 2.0, backends: tuple[str, ...] = ("UCX",),
+                 timeout: float = DEFAULT_TIMEOUT, abort_timeout: float = 2.0) -> None:
+        super().__init__(timeout=timeout, abort_timeout=abort_timeout)
         self.api = load_nixl()
+        self._lib_errors = _nixl_errors(self.api)
         self.notify_timeout = notify_timeout
         self._backends = list(backends)
         self._prefix = f"pdproto{next(_IDS)}-"
@@ -124,13 +149,17 @@ class NixlTransport(Registered):
         return (x.dst, x.src, "READ") if x.pull else (x.src, x.dst, "WRITE")
 
     def _handle(self, x: Transfer, tag: bytes) -> tuple[Any, Any, str, str]:
+        """(initiator's agent, prepared handle, initiator, peer); the handle
+        is None when ``x`` has no bytes to move (nothing to post)."""
         self.agent(x.src)
         self.agent(x.dst)
         self.ensure_all(x)
         init, peer, op = self._sides(x)
         a = self.agent(init)
-        name = self._peer(init, peer)
         dst, src, lens = self.descriptors(x)
+        if not len(lens):
+            return a, None, init, peer
+        name = self._peer(init, peer)
         local, remote = (dst, src) if x.pull else (src, dst)
         zeros = np.zeros(len(lens), dtype=np.int64)
         ld = a.get_xfer_descs(np.stack([local, lens, zeros], axis=1), "DRAM")
@@ -144,39 +173,40 @@ class NixlTransport(Registered):
         tag = f"{x.tid}#{next(self._seq)}".encode()
         try:
             a, h, init, peer = self._handle(x, tag)
-            state = a.transfer(h, tag)
-        except TransportError:
-            raise
-        except UsageError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a NIXL error: the transfer failed
+            state = DONE if h is None else a.transfer(h, tag)
+        except self._lib_errors as exc:  # a NIXL error: the transfer failed
             self._error(_library_error(exc))
             raise TransportError("nixl", f"transfer {x.tid!r} from {x.src!r} to {x.dst!r}",
                                  _library_error(exc)) from None
+        # no handle (no bytes): done at once, nothing to release, no notification
         return {"agent": a, "handle": h, "init": init, "peer": peer, "tag": tag, "state": state,
-                "released": False}
+                "released": h is None}
 
     def poll(self, handle: Any) -> str:
         if handle["state"] == PROC:
             try:
                 handle["state"] = handle["agent"].check_xfer_state(handle["handle"])
-            except Exception as exc:  # noqa: BLE001 - the binding raises on an error status
+            except self._lib_errors as exc:  # the binding raises on an error status
                 self._error(_library_error(exc))
                 handle["state"] = ERR
         return handle["state"]
 
     def abort(self, handle: Any) -> bool:
         active = self.poll(handle) == PROC
+        if handle["released"]:
+            return active
         try:
             handle["agent"].release_xfer_handle(handle["handle"])
             handle["released"] = True
-        except Exception as exc:  # noqa: BLE001 - "it cannot be canceled": the handle stays
+        except self._lib_errors as exc:  # "it cannot be canceled": the handle stays
             self._error("release of an active handle refused: " + _library_error(exc))
             self.wait(handle)
             self.finish(handle)
         return active
 
     def notify(self, handle: Any) -> None:
+        if handle["handle"] is None:
+            return  # nothing was posted: no notification comes
         t0 = time.perf_counter()
         if self.notified(handle, self.notify_timeout):
             self._count("notifications")
@@ -185,6 +215,8 @@ class NixlTransport(Registered):
             self._count("notifications_missing")
 
     def notified(self, handle: Any, timeout: float) -> bool:
+        if handle["handle"] is None:
+            return False
         peer, tag = handle["peer"], handle["tag"]
         end = time.perf_counter() + timeout
         box = self._notes.setdefault(peer, [])
@@ -194,6 +226,8 @@ class NixlTransport(Registered):
                 return True
             for msgs in self.agent(peer).get_new_notifs().values():
                 box.extend(msgs)
+            if len(box) > _MAX_NOTES:  # late notifications of transfers no one waits for any more
+                del box[: len(box) - _MAX_NOTES]
             if tag in box:
                 continue
             if time.perf_counter() > end:
@@ -214,18 +248,25 @@ class NixlTransport(Registered):
         self._count("failures")
         tag = f"{x.tid}#{next(self._seq)}".encode()
         a, h, init, peer = self._handle(x, tag)
+        if h is None:
+            text = "nothing to move: no transfer was posted to fail"
+            self._error(text)
+            return text
         a.remove_remote_agent(self._prefix + peer)
         self._loaded.pop((init, peer), None)
         try:
             state = a.transfer(h, tag)
-            while state == PROC:
+            end = time.perf_counter() + self.timeout
+            while state == PROC and time.perf_counter() <= end:
+                time.sleep(0)  # the progress thread needs the CPU
                 state = a.check_xfer_state(h)
-            text = f"the library reported {state} for a transfer to a removed agent"
-        except Exception as exc:  # noqa: BLE001 - the binding raises on an error status
+            text = (f"the library reported {state} for a transfer to a removed agent" if state != PROC
+                    else f"still in progress after {self.timeout:g} s (timeout) for a transfer to a removed agent")
+        except self._lib_errors as exc:  # the binding raises on an error status
             text = _library_error(exc)
         try:
             a.release_xfer_handle(h)
-        except Exception:  # noqa: BLE001 - a handle to a removed agent may not release
+        except self._lib_errors:  # a handle to a removed agent may not release
             pass
         self._peer(init, peer)  # the peer is back for the transfers to come
         self._error(text)

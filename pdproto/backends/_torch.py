@@ -98,7 +98,7 @@ from ..spec._events import (
 )
 from ..spec._history import HistoryHeader
 from ..spec._monitor import Violation
-from ._transport import BlockMove, CopyTransport, Transfer, Transport, make_transport
+from ._transport import RAW, BlockMove, CopyTransport, Transfer, Transport, make_transport
 
 __all__ = [
     "KV_CORRUPTION",
@@ -472,7 +472,7 @@ class _Gen:
 class _Xfer:
     __slots__ = ("tid", "key", "ticket", "src", "src_blocks", "dst", "dst_blocks", "line",
                  "read", "read_line", "staged", "wrote", "write_stamp", "failed", "lost",
-                 "early_freed", "drained", "layers", "tokens", "moves", "aborted")
+                 "early_freed", "drained", "layers", "tokens", "moves", "aborted", "cancelled")
 
     def __init__(self, ev: TransferStart, line: int) -> None:
         self.tid = ev.transfer
@@ -497,6 +497,7 @@ class _Xfer:
         self.early_freed: set[int] = set()  # target blocks freed while the writes were in flight
         self.drained = False
         self.aborted = False  # a transfer_abort came before its writes landed
+        self.cancelled = False  # aborted, and the transport's library did not land its bytes
 
     def copy(self) -> "_Xfer":
         n = object.__new__(_Xfer)
@@ -541,7 +542,9 @@ class TorchBackend:
     at ``transfer_write_done``, the latest they can) or ``"eager"`` (it is
     posted at ``transfer_start`` and the replay waits for it to complete
     before the next event: the earliest, as a transfer library on an idle
-    host does).
+    host does).  ``policy`` (``"push"`` / ``"pull"``): who initiates a
+    transfer through the transport, default the header's (``replay
+    --policy`` passes the one the monitor judges by).
     """
 
     def __init__(
@@ -565,6 +568,7 @@ class TorchBackend:
         clock: Callable[[], float] | None = None,
         transport: str | Transport | None = None,
         timing: str = "adversarial",
+        policy: str | None = None,
     ) -> None:
         header = header if header is not None else HistoryHeader()
         kv = getattr(header, "kv", None)
@@ -594,7 +598,10 @@ class TorchBackend:
         if timing not in TIMINGS:
             raise UsageError("--transfer-timing", timing, "one of " + ", ".join(TIMINGS))
         self.timing = timing
-        self._pull = getattr(header, "policy", "push") == "pull"
+        if policy not in (None, "push", "pull"):
+            raise UsageError("--policy", policy, "push or pull")
+        self._pull = (policy if policy is not None else getattr(header, "policy", "push")) == "pull"
+        self._fail_targets: dict[tuple, torch.Tensor] = {}  # (worker, shape, dtype) -> a failed transfer's target
         self._recompute = getattr(header, "boundary", "sampled") == "recompute"
         self.tp = parse_tp(tp)
         self._tp_flag = tp is not None
@@ -699,7 +706,7 @@ class TorchBackend:
             else:
                 for tid in reversed(g.transfers):
                     t = self._xfers[tid]
-                    if t.wrote and not t.failed and not t.lost:
+                    if t.wrote and not t.failed and not t.lost and not t.cancelled:
                         self._verify_transfer(t, line, "end of the history: KV of transfer")
                         break
         probes: list[tuple[str, int, _Xfer]] = []
@@ -1474,6 +1481,7 @@ class TorchBackend:
         part_ids = [(d, s, m[4], m[5]) for (d, s, m) in zip(dst_ids, src_ids, moves) if not (m[4] == 0 and m[5] == bs)]
         per_block = L.fp8 and L.scale == "per-block" and not self.drop_scales
         moved = [0]
+        landed = [True]
 
         def copy() -> None:
             x = Transfer(t.tid, t.src, t.dst, self._pull, staged=t.staged is not None)
@@ -1500,7 +1508,7 @@ class TorchBackend:
                     if per_block:
                         for d, s in [(d, s) for d, s in full_ids] + [(d, s) for d, s, _, _ in part_ids]:
                             x.pairs.append((dst.scales[di][d, :, dl[0]: dl[1]], ssc[pi][s, :, sl[0]: sl[1]]))
-            self.transport.run(x, aborted=t.aborted)
+            landed[0] = self.transport.run(x, aborted=t.aborted)
 
         t_start = self._timer()
         self._side(copy, [t.src, t.dst])
@@ -1509,6 +1517,11 @@ class TorchBackend:
         self.bytes_copied += slots * moved[0] * L.kv * L.head_dim * dst.pools[0].element_size()
         self._unregister_lazy(t)
         self._release(t)
+        if not landed[0]:
+            # the library cancelled the aborted transfer: its bytes did not land, and
+            # the target keeps what it held (the transport counts it: aborts_cancelled)
+            t.cancelled = True
+            return
         self._clock += 1
         t.write_stamp = self._clock
         for (i, sb, db, p0, s0, s1) in moves:
@@ -2217,16 +2230,26 @@ class TorchBackend:
         self._drop_writer(t)
 
     def _fail_through_transport(self, t: _Xfer) -> None:
-        """The transport's library reports ``t`` as failed (its first block)."""
+        """The transport's library reports ``t`` as failed (its first block),
+        into a scratch block of the target worker: bytes a library moves all
+        the same never reach the target's pool."""
         src = self._worker(t.src, "prefill", t.src_blocks)
         dst = self._worker(t.dst, "decode", t.dst_blocks)
         if src is None or dst is None or not t.src_blocks or not t.dst_blocks:
             return
-        pairs = [(dst.pools[i][t.dst_blocks[0]], src.pools[i][t.src_blocks[0]])
+        pairs = [(self._fail_target(t.dst, dst.pools[i][0]), src.pools[i][t.src_blocks[0]])
                  for i in range(min(len(dst.pools), len(src.pools)))
                  if dst.pools[i][0].shape == src.pools[i][0].shape]
         if pairs:
             self.transport.fail(Transfer(t.tid, t.src, t.dst, self._pull, pairs=pairs))
+
+    def _fail_target(self, worker: str, like: torch.Tensor) -> torch.Tensor:
+        """A block of ``worker``'s, outside its pool, shaped as ``like`` (made once)."""
+        key = (worker, tuple(like.shape), like.dtype)
+        out = self._fail_targets.get(key)
+        if out is None:
+            out = self._fail_targets[key] = torch.zeros_like(like)
+        return out
 
     def _on_transfer_abort(self, ev: TransferAbort, line: int) -> None:
         # an abort is a request, not a fence: the writes may still land (the
@@ -2240,7 +2263,7 @@ class TorchBackend:
         out = []
         for tid in g.transfers:
             t = self._xfers[tid]
-            if t.ticket == ticket and t.dst == worker and t.wrote and not t.failed:
+            if t.ticket == ticket and t.dst == worker and t.wrote and not t.failed and not t.cancelled:
                 out.append(t)
         return out
 
@@ -2254,7 +2277,7 @@ class TorchBackend:
         by_index: dict[int, int] = {}
         for tid in g.transfers:
             t = self._xfers[tid]
-            if t.ticket == ev.ticket and t.dst == ev.worker and t.wrote and not t.failed:
+            if t.ticket == ev.ticket and t.dst == ev.worker and t.wrote and not t.failed and not t.cancelled:
                 tline = t.line
                 if not t.moves:
                     self._plan(t)
@@ -2473,7 +2496,7 @@ def _bit_table(values: Sequence[float], dtype: torch.dtype) -> tuple[str, list[i
 #: the numpy dtype whose items a bit table's array typecode holds (bits of 16-bit floats as int16)
 _NP_BITS = {"f": np.float32, "d": np.float64, "H": np.int16}
 
-_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_RAW = RAW  # the integer dtype of each width (one table, the transport's)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -34,27 +34,19 @@ from typing import Any, Iterator, Sequence
 import attrs
 import torch
 
-from .._errors import PdprotoError, UsageError
+from .._errors import TransportError, UsageError
+from ._transports_table import TRANSPORTS
 
 __all__ = ["TRANSPORTS", "BlockMove", "Transfer", "Transport", "CopyTransport", "Registered", "TransportError",
            "TransportStatistics", "make_transport", "block_views", "byte_runs"]
 
-#: the transports ``pdproto replay --transport`` accepts
-TRANSPORTS = ("copy", "nixl", "mooncake")
-
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
 
+#: the integer dtype of each element width: a view of a tensor as its bits
+RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-class TransportError(PdprotoError):
-    """A transport library that failed where the history says the transfer
-    succeeded, or that cannot start here: ``transport`` names it, ``detail``
-    is the library's own text."""
-
-    def __init__(self, transport: str, what: str, detail: str) -> None:
-        self.transport = transport
-        self.what = what
-        self.detail = detail
-        super().__init__(f"the {transport} transport: {what}: {detail}")
+#: seconds a transfer may stay in progress before it is a TransportError
+DEFAULT_TIMEOUT = 60.0
 
 
 @attrs.define(eq=False)
@@ -102,7 +94,11 @@ class TransportStatistics:
     initiator's completion to the peer's notification, ``notifications_missing``
     those that never came; ``aborts`` handles released (``aborts_active``
     while still in progress; ``aborts_landed`` whose bytes landed anyway,
+    ``aborts_cancelled`` whose bytes the library never landed (the backend
+    does not count those writes as landed), ``aborts_unknown`` whose target
+    held the source's bytes before the transfer (landing cannot be told),
     ``aborts_notified`` whose peer was notified all the same);
+    ``timeouts`` transfers still in progress after ``timeout`` seconds;
     ``failures`` transfers the library reported as failed (``errors``: its
     texts); ``restarts`` agents removed and re-added."""
 
@@ -118,6 +114,9 @@ class TransportStatistics:
     aborts: int = 0
     aborts_active: int = 0
     aborts_landed: int = 0
+    aborts_cancelled: int = 0
+    aborts_unknown: int = 0
+    timeouts: int = 0
     aborts_notified: int = 0
     failures: int = 0
     errors: tuple[str, ...] = ()
@@ -138,8 +137,7 @@ def block_views(m: BlockMove) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             runs[-1][2] += 1
         else:
             runs.append([d, s, 1])
-    full = (m.dl == (0, m.dst.shape[2]) and m.sl == (0, m.src.shape[2]) and m.heads is None
-            and m.slots is None)
+    full = _whole(m)
     (dj0, dj1), (si0, si1) = m.heads if m.heads is not None else ((0, m.dst.shape[4]), (0, m.src.shape[4]))
     t0, t1 = m.slots if m.slots is not None else (0, m.dst.shape[1])
     dl, sl = m.dl, m.sl
@@ -151,8 +149,14 @@ def block_views(m: BlockMove) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
                    m.src[s: s + n, t0:t1, sl[0]: sl[1], :, si0:si1])
 
 
+def _whole(m: BlockMove) -> bool:
+    """Does ``m`` move whole blocks (every layer, head and slot)?"""
+    return (m.dl == (0, m.dst.shape[2]) and m.sl == (0, m.src.shape[2]) and m.heads is None
+            and m.slots is None)
+
+
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.view(RAW[t.element_size()])
 
 
 class Transport:
@@ -161,12 +165,22 @@ class Transport:
     report a failure and returns its text; ``restart(worker)`` removes and
     re-adds a worker's agent; ``lose(worker)`` removes it from its peers.
     ``start`` / ``poll`` / ``wait`` / ``abort`` are the steps of ``run``.
+    ``timeout``: seconds a transfer may stay in progress (``wait``) before
+    it is a :class:`~pdproto.TransportError`; ``abort_timeout``: seconds an
+    aborted transfer's bytes may take to land before it counts as cancelled.
     A transport is shared by the copies of a backend (``copy.deepcopy``
-    returns it as is)."""
+    returns it as is); ``close()`` releases its agents (a transport made
+    by name is closed by whoever named it: :func:`pdproto.drivers.replay`,
+    the CLI)."""
 
     name = "copy"
 
-    def __init__(self) -> None:
+    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, abort_timeout: float = 2.0) -> None:
+        for what, value in (("timeout", timeout), ("abort_timeout", abort_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise UsageError(f"transport {what}", value, "a number of seconds > 0")
+        self.timeout = float(timeout)
+        self.abort_timeout = float(abort_timeout)
         self._stats: dict[str, Any] = {"errors": []}
         self._latencies: list[float] = []  # post to completion, per transfer (the first 100,000)
 
@@ -178,9 +192,16 @@ class Transport:
     def poll(self, handle: Any) -> str:
         raise NotImplementedError
 
-    def wait(self, handle: Any) -> str:
+    def wait(self, handle: Any, what: str = "a transfer") -> str:
+        """Poll ``handle`` until it is no longer in progress; a
+        :class:`~pdproto.TransportError` after ``timeout`` seconds."""
         state = self.poll(handle)
+        end = time.perf_counter() + self.timeout
         while state == PROC:
+            if time.perf_counter() > end:
+                self._count("timeouts")
+                self._error(f"{what} still in progress after {self.timeout:g} s")
+                raise TransportError(self.name, what, f"still in progress after {self.timeout:g} s (timeout)")
             time.sleep(0)  # yield: the library's progress thread needs the CPU (spinning was 10x slower)
             state = self.poll(handle)
         return state
@@ -201,22 +222,34 @@ class Transport:
 
     # the whole -------------------------------------------------------------
 
-    def run(self, x: Transfer, *, aborted: bool = False) -> None:
+    def run(self, x: Transfer, *, aborted: bool = False) -> bool:
         """Move ``x``; with ``aborted`` release its handle at once (the
         history aborted it before its writes landed) and wait for what the
-        library still lands."""
-        nbytes = sum(d.numel() * d.element_size() for d, _ in self._pairs(x))
-        t0 = time.perf_counter()
-        handle = self.start(x)
+        library still lands.  False when the library cancelled an aborted
+        transfer (its bytes did not land: counted in ``aborts_cancelled``),
+        else True."""
+        pairs = self._pairs(x)
+        nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
+        where = f"transfer {x.tid!r} from {x.src!r} to {x.dst!r}"
         if aborted:
+            before = _same(pairs)
+            handle = self.start(x)
             active = self.abort(handle)
             landed = self._settle(x)
             self._count("aborts")
             self._count("aborts_active", int(active))
-            self._count("aborts_landed", int(landed))
+            if before:
+                self._count("aborts_unknown")
+            elif landed:
+                self._count("aborts_landed")
+            else:
+                self._count("aborts_cancelled")
+                self._error(f"{where}: aborted and cancelled by the library (its bytes did not land)")
             self._count("aborts_notified", int(self.notified(handle, 0.2)))
-            return
-        state = self.wait(handle)
+            return landed
+        t0 = time.perf_counter()
+        handle = self.start(x)
+        state = self.wait(handle, where)
         elapsed = time.perf_counter() - t0
         if state != DONE:
             self._error(f"transfer {x.tid!r} ended in state {state}")
@@ -230,6 +263,7 @@ class Transport:
             self._latencies.append(elapsed)
         self.notify(handle)
         self.finish(handle)
+        return True
 
     def fail(self, x: Transfer) -> str:
         """Make the library report ``x`` as failed; returns the library's text."""
@@ -274,13 +308,14 @@ class Transport:
     def _pairs(x: Transfer) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [p for m in x.moves for p in block_views(m)] + list(x.pairs)
 
-    def _settle(self, x: Transfer, timeout: float = 2.0) -> bool:
+    def _settle(self, x: Transfer) -> bool:
         """After a released handle: wait until the target holds the source's
-        bytes (True) or ``timeout`` seconds pass (False: the library cancelled it)."""
+        bytes (True) or ``abort_timeout`` seconds pass (False: the library
+        cancelled it)."""
         pairs = self._pairs(x)
-        end = time.perf_counter() + timeout
+        end = time.perf_counter() + self.abort_timeout
         while True:
-            if all(torch.equal(_raw(d), _raw(s)) for d, s in pairs):
+            if _same(pairs):
                 return True
             if time.perf_counter() > end:
                 return False
@@ -303,16 +338,20 @@ class CopyTransport(Transport):
     def poll(self, handle: Any) -> str:
         return DONE
 
-    def run(self, x: Transfer, *, aborted: bool = False) -> None:
+    def run(self, x: Transfer, *, aborted: bool = False) -> bool:
         self.start(x)  # the backend's hot path: no timing, no statistics
+        return True
+
+
+def _same(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Does every target view hold its source view's bytes?"""
+    return all(torch.equal(_raw(d), _raw(s)) for d, s in pairs)
 
 
 def _copy_move(m: BlockMove) -> None:
     """``m`` with torch copies: many whole blocks at once with one
     index_copy_, else one copy_ per run of consecutive blocks."""
-    full = (m.dl == (0, m.dst.shape[2]) and m.sl == (0, m.src.shape[2]) and m.heads is None
-            and m.slots is None)
-    if full and len(m.dst_ids) > 16 and len(set(m.dst_ids)) == len(m.dst_ids):
+    if _whole(m) and len(m.dst_ids) > 16 and len(set(m.dst_ids)) == len(m.dst_ids):
         runs = 1 + sum(1 for i in range(1, len(m.dst_ids))
                        if m.dst_ids[i] != m.dst_ids[i - 1] + 1 or m.src_ids[i] != m.src_ids[i - 1] + 1)
         if runs > 16:
@@ -371,8 +410,8 @@ class Registered(Transport):
     use, and deregistered when the tensor is freed (pools grow by
     reallocation; staging buffers come and go)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, abort_timeout: float = 2.0) -> None:
+        super().__init__(timeout=timeout, abort_timeout=abort_timeout)
         # (worker, address) -> (weak reference to the base tensor, bytes, the library's token)
         self._regs: dict[tuple[str, int], tuple[Any, int, Any]] = {}
 

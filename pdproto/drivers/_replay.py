@@ -48,14 +48,24 @@ def torch_backend_factory(**options: Any) -> Callable[[Any], Any]:
     """``factory(header) -> TorchBackend(header, **options)`` (for
     :func:`pdproto.fuzz`); loads torch now (see :func:`load_torch_backend`).
     A ``transport`` named here (``"nixl"``, ``"mooncake"``) is made now, once,
-    and shared by every backend the factory makes (its agents are reused)."""
+    and shared by every backend the factory makes (its agents are reused):
+    ``factory.transport`` is it, and ``factory.close()`` closes it when the
+    factory made it (call it when done; a transport object passed in is the
+    caller's to close)."""
     tb = load_torch_backend()
-    if options.get("transport") not in (None, "copy"):
-        options["transport"] = load_transport(options["transport"])
+    made = None
+    if isinstance(options.get("transport"), str) and options["transport"] != "copy":
+        made = options["transport"] = load_transport(options["transport"])
 
     def factory(header: Any) -> Any:
         return tb.TorchBackend(header, **options)
 
+    def close() -> None:
+        if made is not None:
+            made.close()
+
+    factory.transport = options.get("transport")  # type: ignore[attr-defined]
+    factory.close = close  # type: ignore[attr-defined]
     return factory
 
 
@@ -251,7 +261,7 @@ def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | Non
                                       tp=None if tp is None else tb.parse_tp(tp), layers=layers,
                                       kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                                       layout=layout, scale=scale, transport=transport, timing=timing,
-                                      **limit)
+                                      policy=monitor.policy, **limit)
         feed, apply = monitor.feed, backend.apply
         for line, event in reader:
             feed(event, line)
