@@ -8,7 +8,6 @@ only when one is in flight; this mutant's cleanup always aborts the
 transfer id derived from the request, so a cancel before any transfer names
 a transfer the data plane never saw.  Family: push.  Caught as
 ``unknown-transfer`` (the abort names a transfer that never started).
-Family: push.  https://github.com/sgl-project/sglang/issues/30352
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE

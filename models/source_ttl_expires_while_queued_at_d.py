@@ -8,10 +8,8 @@ lease that D's heartbeats renew: it may expire only once D stopped
 (restarted), and then the router fails the generation.  This mutant's timer
 ignores the heartbeats and P's pool takes the source back while D is alive
 and still holds the advertised block ids, so D later reads blocks P no
-longer holds.  Family: pull.  Caught
-as ``foreign-block-access`` (the read names blocks its generation does not
-own on P).
-Family: pull.  https://github.com/vllm-project/vllm/issues/21570
+longer holds.  Family: pull.  Caught as ``foreign-block-access`` (the read
+names blocks its generation does not own on P).
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
