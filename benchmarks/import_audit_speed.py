@@ -127,7 +127,7 @@ t0 = time.perf_counter()
 from pdproto.importers import import_log
 imported = import_log("vllm", sys.argv[1], sys.argv[2])
 usage = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"import_s": time.perf_counter() - t0, "events": imported.events,
+print(json.dumps({"import_s": time.perf_counter() - t0, "events": imported.events, "dropped": imported.dropped,
                   "unrecognised": imported.unrecognised, "import_cpu_s": usage.ru_utime + usage.ru_stime,
                   "import_rss_mb": usage.ru_maxrss / 1024}))
 """
@@ -181,7 +181,8 @@ def main() -> None:
         print(f"{r['lines']:>9,} lines ({r['log_mb']:.0f} MiB, {r['handoffs']:,} handoffs: {r['expiry']} lease "
               f"expiries then a late read, {r['failure']} transfer failures, {r['abort']} aborts at D)")
         print(f"  import {r['import_s']:6.2f} s wall, {r['import_cpu_s']:.2f} s CPU "
-              f"({r['lines'] / r['import_s']:,.0f} lines/s), {r['events']:,} events, {r['unrecognised']} "
+              f"({r['lines'] / r['import_s']:,.0f} lines/s), {r['events']:,} events ({r['dropped']} of requests the log "
+              f"cut left out), {r['unrecognised']} "
               f"unrecognised; peak RSS {r['import_rss_mb']:.0f} MiB")
         print(f"  audit  {r['audit_s']:6.2f} s wall, {r['audit_cpu_s']:.2f} s CPU; violations {r['violations']}; "
               f"not judged {r['not_judged']}; peak RSS {r['audit_rss_mb']:.0f} MiB")

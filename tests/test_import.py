@@ -535,17 +535,28 @@ def test_the_docs_example_conforms_until_the_expiry(tmp_path, cli):
     assert proc.returncode == 1 and "does not conform at line 4" in proc.stdout, proc.stdout
 
 
-def test_vllm_an_unlinked_d_request_with_p_in_the_log_declares_no_d_only_kind(tmp_path):
-    """Both sides in the log, but D's request d9 never names its P request (the excerpt ends before
-    its request_finished): P's request lacks D's events, so D's only-D kinds are not declared and the
-    write of d9 is left out (counted)."""
-    text = (_vllm(FINISHED.format(r="p9", s="FINISHED_LENGTH_CAPPED", p=P_PARAMS))
+def test_vllm_with_both_sides_a_request_seen_on_one_side_only_is_left_out(tmp_path):
+    """Both sides in the log: p1/d1 is one request seen on both sides (kept, under P's name); p9 is seen
+    on P only and d9 never names its P request (the excerpt ends before d9's request_finished); d2 is
+    p2 on P, whose P lines are not in the log.  The history may name only requests of which every
+    event of the declared kinds is in the log, so p9, d9 and p2 are left out (counted)."""
+    text = (_vllm(FINISHED.format(r="p1", s="FINISHED_LENGTH_CAPPED", p=P_PARAMS))
+            + _vllm(FINISHED.format(r="p9", s="FINISHED_LENGTH_CAPPED", p=P_PARAMS))
+            + _vllm("Finished recving KV transfer for request d1")
             + _vllm("Finished recving KV transfer for request d9")
-            + _vllm("Finished sending KV transfer for request p9"))
+            + _vllm("Finished recving KV transfer for request d2")
+            + _vllm("Finished sending KV transfer for request p1")
+            + _vllm("Finished sending KV transfer for request p9")
+            + _vllm(FINISHED.format(r="d2", s="FINISHED_STOPPED", p=D_PARAMS.replace("'p1'", "'p2'")))
+            + _vllm(FINISHED.format(r="d1", s="FINISHED_STOPPED", p=D_PARAMS)))
     result, header, events = imported("vllm", text=text, tmp_path=tmp_path)
-    assert sorted(header["observed"]["kinds"]) == ["cancel", "fail", "free", "transfer_read_done"]
-    assert [(e["ev"], e["request"]) for e in events] == [("transfer_read_done", "p9"), ("free", "p9")]
-    assert result.dropped == 1 and result.events == 2
+    assert sorted(header["observed"]["kinds"]) == ["cancel", "fail", "finish", "free", "transfer_failed",
+                                                   "transfer_read_done", "transfer_write_done"]
+    assert [(e["ev"], e["request"], e[LOG_LINE_KEY]) for e in events] == [
+        ("transfer_write_done", "p1", 3), ("transfer_read_done", "p1", 6), ("free", "p1", 6),
+        ("finish", "p1", 9), ("free", "p1", 9)]
+    # p9: read and free; d9: its write; p2: write, finish, free
+    assert result.dropped == 6 and result.events == 5
 
 
 def test_vllm_a_decode_only_log_declares_d_kinds_only(tmp_path):

@@ -226,6 +226,12 @@ class LogImporter:
         kinds = set(self.KINDS) | (set(self.DEBUG_KINDS) if debug else set())
         return tuple(sorted(kinds))
 
+    def left_out(self) -> frozenset[str]:
+        """The requests (by the name written) none of whose events may be
+        written: the log does not show every event of the observed kinds for
+        them.  Known at the end of the log."""
+        return frozenset()
+
     def observation(self, kinds: Iterable[str] | None = None) -> Observation:
         """The header's ``observed``: ``kinds`` (default :meth:`observed`)
         with the fields each records."""
@@ -373,11 +379,12 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
             raise UsageError("LOG", log, f"a log that can be read to its end ({exc.strerror or exc})") from None
         header = importer.header()
         keep = frozenset(header.observed.kinds)
+        left_out = importer.left_out()
         spool.seek(0)
         spool.readline()
 
         def copy(stream: IO[str]) -> tuple[int, int]:
-            return _copy_events(spool, total, stream, importer.renames, keep if written - keep else None)
+            return _copy_events(spool, total, stream, importer.renames, keep if written - keep else None, left_out)
 
         if out is None or not isinstance(out, str):
             stream = sys.stdout if out is None else out
@@ -403,11 +410,12 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
 
 
 def _copy_events(spool: IO[str], total: int, stream: IO[str], renames: Mapping[str, str],
-                 keep: frozenset[str] | None) -> tuple[int, int]:
-    """Copy the ``total`` spooled events to ``stream``, each request id in ``renames``
-    written as its new name, and (``keep`` not None) only the events of the
-    kinds in ``keep``; returns (events written, events left out)."""
-    if not renames and keep is None:  # the common case: the spool as it is
+                 keep: frozenset[str] | None, left_out: frozenset[str]) -> tuple[int, int]:
+    """Copy the ``total`` spooled events to ``stream``, each request id in
+    ``renames`` written as its new name, only (``keep`` not None) the events
+    of the kinds in ``keep``, none of a request (by its new name) in
+    ``left_out``; returns (events written, events left out)."""
+    if not renames and keep is None and not left_out:  # the common case: the spool as it is
         shutil.copyfileobj(spool, stream)
         return total, 0
     count = dropped = 0
@@ -419,7 +427,10 @@ def _copy_events(spool: IO[str], total: int, stream: IO[str], renames: Mapping[s
             continue
         request = obj.get("request")
         if request in renames:
-            obj["request"] = renames[request]
+            request = obj["request"] = renames[request]
+        if request in left_out:
+            dropped += 1
+            continue
         write(json.dumps(obj, separators=(", ", ": ")) + "\n")
         count += 1
     return count, dropped

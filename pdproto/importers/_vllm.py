@@ -140,26 +140,50 @@ class VllmImporter(LogImporter):
         #: link are those of its own end)
         self._name: "collections.OrderedDict[str, str]" = collections.OrderedDict()
         self._unnamed: set[str] = set()  # D requests with events written, their name on P not yet known
+        # Pairing, when the log holds both sides: a request the history names
+        # must have its events of both sides in it (an observed kind is
+        # complete), so a request seen on one side only is left out.
+        self._p_open: set[str] = set()  # P requests seen on P, no D request linked to them yet
+        self._d_only: set[str] = set()  # P names of D requests, not (yet) seen on P
+        self._paired = Bounded()  # P names seen on both sides
         self.p_side = False  # lines only a prefill instance logs were read
         self.d_side = False  # lines only a decode instance logs were read
 
     def observed(self, debug: bool | None = None) -> tuple[str, ...]:
         """The kinds of which this log shows every event for the requests
-        it names: P's kinds when P's lines are in it, D's when D's are, and
-        D's only-D kinds not when P's requests are there too and a D request
-        of the log could not be linked to its P request (its name on P
-        unknown: the P request's D events would be missing)."""
+        it names: P's kinds when P's lines are in it, D's when D's are (with
+        both, the requests seen on one side only are left out: see
+        :meth:`left_out`)."""
         debug = self.debug if debug is None else debug
         kinds: set[str] = set()
         if self.p_side:
             kinds |= {"free", "transfer_read_done"}
             if debug:
                 kinds |= {"cancel", "fail"}
-        if self.d_side and not (self.p_side and self._unnamed):
+        if self.d_side:
             kinds.add("transfer_failed")
             if debug:
                 kinds |= {"cancel", "fail", "finish", "free", "transfer_write_done"}
         return tuple(sorted(kinds))
+
+    def left_out(self) -> frozenset[str]:
+        """With both sides in the log, the requests seen on one side only
+        (the log's excerpt cut them, or their other side ran on an instance
+        whose log is not in it): their events of the other side's kinds are
+        not in the log, so none of their events is written."""
+        if not (self.p_side and self.d_side):
+            return frozenset()
+        return frozenset(self._p_open | self._d_only | self._unnamed)
+
+    def _p(self, request: str) -> str:
+        """``request`` was seen on P."""
+        self.p_side = True
+        if request in self._d_only:
+            self._d_only.discard(request)
+            self._paired.add(request)
+        elif request not in self._paired:
+            self._p_open.add(request)
+        return request
 
     def _link(self, d_request: str, p_request: str) -> None:
         """D's ``d_request`` is ``p_request`` on P: its events are written
@@ -172,6 +196,11 @@ class VllmImporter(LogImporter):
             self._name[d_request] = p_request
             if len(self._name) > MAX_TRACKED:
                 self._name.popitem(last=False)
+        if p_request in self._p_open:
+            self._p_open.discard(p_request)
+            self._paired.add(p_request)
+        elif p_request not in self._paired:
+            self._d_only.add(p_request)
 
     def _d(self, d_request: str) -> str:
         """The name to write for D's ``d_request``: its name on P when known."""
@@ -191,7 +220,7 @@ class VllmImporter(LogImporter):
             return None  # a status this importer does not know (a number, a new name): warned
         kind, reason = _FINISHED[status]
         if p_side:
-            self.p_side = True
+            self._p(request)
             if kind == "finish":
                 return []  # P's part is over; its blocks are held for D's READ (a lease)
             return [{"ev": kind, "request": request, "reason": reason},
@@ -211,8 +240,7 @@ class VllmImporter(LogImporter):
         return [ended]
 
     def _finished_sending(self, match: "re.Match[str]") -> list:
-        request = match.group(1)
-        self.p_side = True
+        request = self._p(match.group(1))
         if self._expired.discard(request):
             return []  # the expiry's free, written at the expiry line
         return [{"ev": "transfer_read_done", "request": request, "src": P},
@@ -235,8 +263,7 @@ class VllmImporter(LogImporter):
         return out
 
     def _lease_expired(self, match: "re.Match[str]") -> list:
-        request = match.group(1)
-        self.p_side = True
+        request = self._p(match.group(1))
         if not self._once.add(("expired", request)):
             return []
         self._expired.add(request)
@@ -244,8 +271,7 @@ class VllmImporter(LogImporter):
                  "reason": "lease expired", "retrieved_by": int(match.group(2))}]
 
     def _late_read(self, match: "re.Match[str]") -> list:
-        request = match.group(1)
-        self.p_side = True
+        request = self._p(match.group(1))
         if not self._once.add(("late_read", request)):
             return []
         return [{"ev": "transfer_read_done", "request": request, "src": P,
