@@ -29,13 +29,10 @@ FAMILY = "pull"
 FAULTS = ()
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=1, blocks=1)
 
-_prefill_done = REFERENCE["pull"].prefill_done.effect
-
-
 def hand_off_and_terminate(m, s, r, q, ev):
     # BUG: the finished context request is terminated while its handoff is in progress; the
     # handed-off parameters (the record's source blocks) still name the freed blocks
-    s = _prefill_done(m, s, r, q, ev)
+    s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)
     ev.append(Free(m.wname[q.p], q.src, m.rname[r], q.gen))
     return s
 

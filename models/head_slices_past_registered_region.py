@@ -30,9 +30,6 @@ PREFILL_TP, DECODE_TP, KV_HEADS = 1, 4, 2
 UNIQUE_SLICES = KV_HEADS // PREFILL_TP  # head slices a P block really holds
 DECODE_RANK = DECODE_TP - 1  # the D rank this handoff writes to (it holds the last head)
 
-_prefill_done = REFERENCE["push"].prefill_done.effect
-
-
 def descriptor_block(b):
     groups = DECODE_TP // PREFILL_TP  # BUG: should be UNIQUE_SLICES (replicated heads share a slice)
     return (b * groups + DECODE_RANK % groups) // UNIQUE_SLICES
@@ -40,7 +37,7 @@ def descriptor_block(b):
 
 def prefill_done_wrong_head_map(m, s, r, q, ev):
     first = len(ev)
-    s = _prefill_done(m, s, r, q, ev)
+    s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)  # pull: P starts no write here
     ev[first:] = [
         attrs.evolve(e, src_blocks=tuple(descriptor_block(b) for b in e.src_blocks)) if type(e) is TransferStart else e
         for e in ev[first:]

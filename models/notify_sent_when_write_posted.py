@@ -19,11 +19,10 @@ FAULTS = ()
 EXPECTED = "commit-before-ready"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
 
-_prefill_done = REFERENCE["push"].prefill_done.effect
-
-
 def prefill_done_notify_on_post(m, s, r, q, ev):
-    s = _prefill_done(m, s, r, q, ev)
+    s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)
+    if m.xfer_of(s, r) < 0:
+        return s  # pull: P posts no write (D reads later)
     # BUG: posted (and flushed) is taken for completed: notify D now, not when the write lands
     q = s.reqs[r]._replace(xs=XferState.DONE)
     return m.send(m.set_req(s, r, q), MsgKind.NOTIFY, r, q.gen, q.p, q.d)

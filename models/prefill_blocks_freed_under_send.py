@@ -21,11 +21,10 @@ FAMILY = "push"
 FAULTS = ()
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
 
-_prefill_done = REFERENCE["push"].prefill_done.effect
-
-
 def send_from_returned_blocks(m, s, r, q, ev):
-    s = _prefill_done(m, s, r, q, ev)  # starts the write from the prefill blocks
+    s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)  # push: starts the write from the prefill blocks
+    if m.xfer_of(s, r) < 0:
+        return s  # pull: no send runs from the prefill blocks yet (D reads them later)
     # BUG: prefill blocks go back to the allocator at prefill completion, with no staging copy
     return m.set_req(s, r, m.table.free_source.effect(m, s, r, s.reqs[r], ev))
 

@@ -23,12 +23,9 @@ FAULTS = ()
 EXPECTED = "ticket-mismatch"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
 
-_prefill_done = REFERENCE["push"].prefill_done.effect
-
-
 def prefill_done_engine_local_key(m, s, r, q, ev):
     first = len(ev)
-    s = _prefill_done(m, s, r, q, ev)
+    s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)  # pull: P starts no transfer here
     # BUG: P names the transfer after its own engine-local request id, not D's ticket
     ev[first:] = [
         attrs.evolve(e, ticket=f"{e.ticket}-{m.wname[q.p]}") if type(e) is TransferStart else e for e in ev[first:]
