@@ -69,9 +69,10 @@ def add_parser(sub: Any) -> None:
                    help="stop after N distinct states (a partial report; exit 3 when nothing was found)")
     p.add_argument("--max-seconds", type=_seconds, metavar="S",
                    help="stop after S seconds (a partial report; exit 3 when nothing was found)")
-    p.add_argument("--workers", type=positive_int, metavar="N",
-                   help="explore on N worker processes, states partitioned by hash (same answers as "
-                   "the serial search; see docs/scaling.md)")
+    p.add_argument("--workers", type=_workers_value, action="append", metavar="N|P:D",
+                   help="N: explore on N worker processes, states partitioned by hash (same answers as "
+                   "the serial search; see docs/scaling.md); P:D: the model's prefill and decode worker "
+                   "counts, e.g. 2:2, as in pdproto fuzz (give the flag twice for both)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="explore on Ray actors (--workers of them, default 2): a local Ray instance, "
                    "or the cluster at ADDRESS (auto, ray://HEAD:10001); needs pdproto[ray]")
@@ -119,6 +120,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         raise UsageError("--graph", args.graph, "a file name ending in .graphml or .dot")
     if args.graph is not None and args.fingerprint:
         raise UsageError("--graph with --fingerprint", args.graph, "exact mode (drop --fingerprint)")
+    args.workers, model_workers = _split_workers(args.workers)
     parallel = args.workers is not None or args.ray is not None
     if parallel and args.graph is not None:
         raise UsageError("--graph with --workers/--ray", args.graph, "a serial search (drop --workers/--ray)")
@@ -132,6 +134,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         args.model, mode=args.policy, requests=args.requests, blocks=args.blocks, faults=faults,
         prefix_cache=args.prefix_cache, chunks=args.chunks, layerwise=args.layerwise,
         block_size=args.block_size, prompt_len=args.prompt_len,
+        prefill_workers=model_workers[0], decode_workers=model_workers[1],
     )
     for warning in info.warnings:  # one plain line each, never wrapped
         print(f"pdproto check: warning: {warning}", file=sys.stderr)
@@ -200,6 +203,29 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if not result.ok:
         return EXIT_VIOLATION
     return EXIT_PARTIAL if result.truncated else EXIT_OK
+
+
+def _workers_value(text: str) -> Any:
+    """An argparse type for --workers: N (an int) or P:D (a pair)."""
+    from ._fuzz import parse_workers
+
+    if ":" in text:
+        try:
+            return parse_workers(text)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {exc.allowed}") from None
+    return positive_int(text)
+
+
+def _split_workers(values: list | None) -> tuple[int | None, tuple[int | None, int | None]]:
+    """(worker processes or None, (prefill, decode) model workers or Nones)
+    from the --workers values; each form at most once."""
+    counts = [v for v in values or () if isinstance(v, int)]
+    pairs = [v for v in values or () if isinstance(v, tuple)]
+    if len(counts) > 1 or len(pairs) > 1:
+        extra = counts[1] if len(counts) > 1 else "%d:%d" % pairs[1]
+        raise UsageError("--workers", extra, "N once and P:D once")
+    return (counts[0] if counts else None), (pairs[0] if pairs else (None, None))
 
 
 def _seconds(text: str) -> float:
