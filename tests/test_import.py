@@ -712,3 +712,36 @@ def test_cli_output_dash_is_standard_output(tmp_path, cli, monkeypatch):
     proc = cli("import", "vllm", str(LOGS / "vllm-clean-handoff.log"), "-o", "-")
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 6
     assert os.listdir(tmp_path) == []
+
+
+def test_vllm_both_sides_at_info_keep_p_requests_without_a_failure(tmp_path, cli):
+    """At INFO level P and D pair only through a failure's context: the P request with a lease expiry
+    and a late read (no failure) is kept, and still audits as early-source-free; a failure naming no
+    P request is left out."""
+    expiry = "Releasing expired KV blocks for request p1 which were retrieved by 0 remote worker(s) before lease expired."
+    late = "Potentially invalid KV blocks for unrecognized request p1 were retrieved by a decode worker. They may have expired."
+    context = "{'failure_type': 'transfer_failed', 'request_id': 'd5', 'remote_request_id': 'p5'}"
+    text = (_vllm(expiry, "WARNING") + _vllm(f"NIXL transfer failure: transfer_failed | Context: {context}", "ERROR")
+            + _vllm("NIXL transfer failure: transfer_failed | Context: {'request_id': 'd6'}", "ERROR")
+            + _vllm(late, "ERROR"))
+    log, history = tmp_path / "x.log", tmp_path / "h.jsonl"
+    log.write_text(text)
+    result = import_log("vllm", str(log), str(history))
+    assert result.observed == ("free", "transfer_failed", "transfer_read_done") and result.dropped == 1
+    events = [json.loads(line) for line in history.read_text().splitlines()[1:]]
+    assert [(e["ev"], e["request"]) for e in events] == [
+        ("free", "p1"), ("transfer_failed", "p5"), ("transfer_read_done", "p1")]
+    code, audited = _audit_json(cli, history)
+    assert code == 1 and [v["invariant"] for v in audited["violations"]] == ["early-source-free"]
+
+
+def test_the_spool_copy_renames_ids_with_escapes_and_leaves_out_requests():
+    from pdproto.importers._base import _copy_events
+
+    spool = io.StringIO('{"ev": "free", "worker": "D0", "request": "a\\"b", "log_line": 1}\n'
+                        '{"ev": "free", "worker": "D0", "request": "x", "log_line": 2}\n'
+                        '{"ev": "finish", "request": "y", "log_line": 3}\n'
+                        '{"ev": "free", "worker": "D0", "request": "z", "log_line": 4}\n')
+    out = io.StringIO()
+    assert _copy_events(spool, 4, out, {'a"b': "P\u00e9", "x": 'q"'}, frozenset({"free"}), frozenset({"z"})) == (2, 2)
+    assert [json.loads(line)["request"] for line in out.getvalue().splitlines()] == ["P\u00e9", 'q"']

@@ -60,6 +60,8 @@ MAX_TRACKED = 1 << 16
 #: is skipped (its first MAX_LOG_LINE characters are matched), so that one
 #: endless line cannot exhaust memory.
 MAX_LOG_LINE = 1 << 20
+#: How an event's request is written in the spool (HistoryWriter's JSON).
+_REQUEST_KEY = '"request": "'
 #: Characters of an unrecognised line kept in an example.
 _EXAMPLE_CHARS = 300
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -420,18 +422,36 @@ def _copy_events(spool: IO[str], total: int, stream: IO[str], renames: Mapping[s
         return total, 0
     count = dropped = 0
     write = stream.write
+    # The spool's lines are the writer's JSON: '{"ev": "KIND", ...' with the
+    # request as '"request": "ID"'; an id with an escape is read as JSON.
     for line in spool:
-        obj = json.loads(line)
-        if keep is not None and obj["ev"] not in keep:
+        if keep is not None and line[8:line.index('"', 8)] not in keep:
             dropped += 1
             continue
-        request = obj.get("request")
-        if request in renames:
-            request = obj["request"] = renames[request]
+        start = line.find(_REQUEST_KEY)
+        if start < 0:
+            write(line)
+            count += 1
+            continue
+        start += len(_REQUEST_KEY)
+        end = line.index('"', start)
+        request = line[start:end]
+        if "\\" in request:  # an escape (a quote may end the id later): JSON
+            obj = json.loads(line)
+            request = obj["request"]
+            new = renames.get(request)
+            if new is not None:
+                request = obj["request"] = new
+                line = json.dumps(obj, separators=(", ", ": ")) + "\n"
+        else:
+            new = renames.get(request)
+            if new is not None:
+                request = new
+                line = line[:start - 1] + json.dumps(new) + line[end + 1:]
         if request in left_out:
             dropped += 1
             continue
-        write(json.dumps(obj, separators=(", ", ": ")) + "\n")
+        write(line)
         count += 1
     return count, dropped
 

@@ -173,6 +173,11 @@ class VllmImporter(LogImporter):
         not in the log, so none of their events is written."""
         if not (self.p_side and self.d_side):
             return frozenset()
+        if not self.debug:
+            # at INFO the sides pair only through a failure's context, which
+            # names the P request whenever vLLM knows it: a P request without
+            # one had no failure (D's only kind at INFO), and is kept
+            return frozenset(self._unnamed)
         return frozenset(self._p_open | self._d_only | self._unnamed)
 
     def _p(self, request: str) -> str:
