@@ -11,18 +11,20 @@ the same.
 | line (level, file) | side | events |
 |---|---|---|
 | ``NIXLConnector request_finished(R), request_status=S, kv_transfer_params=P`` (DEBUG, ``nixl/pull_scheduler.py``) | P (``do_remote_decode`` in P) | S finished: none (P's part is over, its blocks held for D under a lease); S aborted or errored: ``cancel`` / ``fail`` and ``free`` (R on P0, freed at once) |
-| same | D | S stopped or length: ``finish`` and ``free`` (R on D0); aborted / errored: ``cancel`` / ``fail``, and ``free`` when R's KV had arrived (else vLLM holds the blocks until the READ ends, vllm#32255: see ``Finished recving``) |
+| same | D | ``remote_request_id`` in P names R on P (R's events, earlier ones too, are written under it); S stopped or length: ``finish`` and ``free`` (R on D0); aborted / errored: ``cancel`` / ``fail``, and ``free`` when R's KV had arrived (else vLLM holds the blocks until the READ ends, vllm#32255: see ``Finished recving``) |
 | ``Finished sending KV transfer for request R`` (DEBUG, ``v1/core/sched/scheduler.py``) | P | ``transfer_read_done`` (D said it read, or that it never will) and ``free`` (R on P0); nothing after a lease expiry of R (already freed) |
 | ``Finished recving KV transfer for request R`` (DEBUG, same) | D | ``transfer_write_done`` (R's READ landed in D), none after a transfer failure of R (vLLM reports a failed READ as finished too); and ``free`` (R on D0) when R was already cancelled |
 | ``Releasing expired KV blocks for request R which were retrieved by N remote worker(s) before lease expired.`` (WARNING, ``nixl/base_worker.py``) | P | ``free`` (R on P0): the lease ran out, the source blocks go back |
 | ``Potentially invalid KV blocks for unrecognized request R were retrieved by a decode worker. They may have expired.`` (ERROR, ``nixl/pull_worker.py``) | P | ``transfer_read_done`` (R): a READ of R's source ended now |
-| ``NIXL transfer failure: TYPE | Context: {...'request_id': 'R'...}`` (ERROR, ``nixl/base_worker.py``) | D | TYPE ``transfer_failed``, ``transfer_exception``, ``transfer_setup_failed``, ``handshake_failed``, ``handshake_setup_failed``: ``transfer_failed`` (R); other types (a failed notification or handle release): none |
+| ``NIXL transfer failure: TYPE | Context: {...'request_id': 'R'...}`` (ERROR, ``nixl/base_worker.py``) | D | TYPE ``transfer_failed``, ``transfer_exception``, ``transfer_setup_failed``, ``handshake_failed``: ``transfer_failed`` (R; under its P name when the context has ``remote_request_id``); ``notification_failed``, ``transfer_release_failed``, ``handshake_setup_failed``: none; any other type, or no request: warned |
 
 Known lines that mean no event: ``request_finished(R) waiting for N seconds``,
 ``get_num_new_matched_tokens``, ``update_state_after_alloc``, heartbeats,
-``get_finished`` counts.  Request ids are the engine's own: P and D name a
-request differently (vLLM adds a random suffix per instance), so a log of both
-sides holds two requests for one handoff.  Worker-side lines come once per TP
+``get_finished`` counts.  P and D name a request differently (vLLM adds
+a random suffix per instance): D's events are written under P's name, which
+D's ``remote_request_id`` gives.  The kinds declared observed are those of the
+sides whose lines the log holds (:meth:`VllmImporter.observed`); with both,
+a request seen on one side only is left out (:meth:`VllmImporter.left_out`).  Worker-side lines come once per TP
 rank; the importer writes one event per request for them.
 """
 
@@ -230,8 +232,8 @@ class VllmImporter(LogImporter):
                 return []  # P's part is over; its blocks are held for D's READ (a lease)
             return [{"ev": kind, "request": request, "reason": reason},
                     {"ev": "free", "worker": P, "request": request}]
-        # D's params name the request on P (vLLM 0.11.1 on: each instance
-        # suffixes the id); without remote_request_id both sides share the id
+        # D's params name the request on P (remote_request_id: each instance
+        # suffixes the id); without it (older vLLM) both sides share the id
         self._link(request, _id(_REMOTE_REQUEST_ID, params) or request)
         d_request = request
         request = self._d(d_request)
