@@ -175,16 +175,16 @@ def test_cli_workers_and_exit_codes(capsys):
     assert err == ""  # no progress display with --json (nor off a terminal)
     rc, out, _ = _cli(["check", "--max-states", "40", "--json"], capsys)
     obj = json.loads(out)
-    assert rc == 3 and obj["partial"] and obj["stopped_by"] == "max_states" and obj["ok"]
+    assert rc == 0 and obj["partial"] and obj["stopped_by"] == "max_states" and obj["ok"]
     rc, out, _ = _cli(["check", "--max-seconds", "0.05", "--workers", "2", "--json"], capsys)
     obj = json.loads(out)
-    assert rc == 3 and obj["partial"] and obj["stopped_by"] in ("max_seconds", None)
+    assert rc == 0 and obj["partial"] and obj["stopped_by"] in ("max_seconds", None)
     rc, out, _ = _cli(["check", "benign-retry-reserves-at-once", "--workers", "2"], capsys)
     assert rc == 0 and "2 worker processes" in out
     # P:D sets the model's worker counts, as in pdproto fuzz; N the processes
     rc, out, _ = _cli(["check", "--workers", "2:1", "--workers", "2", "--max-states", "300", "--json"], capsys)
     obj = json.loads(out)
-    assert rc == 3 and obj["workers"] == 2 and obj["config"]["prefill_workers"] == 2
+    assert rc == 0 and obj["workers"] == 2 and obj["config"]["prefill_workers"] == 2
     for argv in (["--workers", "0"], ["--max-seconds", "-1"], ["--max-seconds", "nan"],
                  ["--workers", "2", "--graph", "g.dot"], ["--workers", "2", "--workers", "3"],
                  ["--workers", "2:x"]):

@@ -13,11 +13,6 @@ from ..spec._history import POLICIES
 from . import EXIT_OK, EXIT_VIOLATION, positive_int
 from ._args import check_output_path, esc, print_json
 
-#: exit code of a search that a limit (--max-states, --max-seconds) stopped
-#: before it was exhaustive and that found nothing so far: not clean, not a
-#: violation (a violation found is 1 whatever stopped the search)
-EXIT_PARTIAL = 3
-
 GRAPH_LIMIT = 20_000
 #: with --backend torch: the search stops here unless --max-states says otherwise ...
 BACKEND_DEFAULT_STATES = 200_000
@@ -35,9 +30,8 @@ def add_parser(sub: Any) -> None:
             "Explore every reachable state of a handoff model (breadth-first over the model "
             "state and the monitor's verdict state) and report violations with shortest "
             "counterexamples, deadlocks, and unreachable 'sometimes' properties.  Exit 0 "
-            "clean, 1 violation or deadlock, 2 bad input, 3 partial: --max-states or "
-            "--max-seconds stopped the search before it was exhaustive and nothing was found "
-            "so far."
+            "clean (also a partial search that --max-states or --max-seconds stopped before "
+            "it was exhaustive: the report says partial), 1 violation or deadlock, 2 bad input."
         ),
     )
     p.add_argument(
@@ -66,9 +60,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--block-size", type=positive_int, metavar="N", help="tokens per KV block")
     p.add_argument("--prompt-len", type=positive_int, metavar="N", help="prompt length of every request")
     p.add_argument("--max-states", type=positive_int, metavar="N",
-                   help="stop after N distinct states (a partial report; exit 3 when nothing was found)")
+                   help="stop after N distinct states (a partial report: JSON partial and stopped_by)")
     p.add_argument("--max-seconds", type=_seconds, metavar="S",
-                   help="stop after S seconds (a partial report; exit 3 when nothing was found)")
+                   help="stop after S seconds (a partial report: JSON partial and stopped_by)")
     p.add_argument("--workers", type=_workers_value, action="append", metavar="N|P:D",
                    help="N: explore on N worker processes, states partitioned by hash (same answers as "
                    "the serial search; see docs/scaling.md); P:D: the model's prefill and decode worker "
@@ -202,7 +196,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         _report(console, result, info, written, args, backend_opts)
     if not result.ok:
         return EXIT_VIOLATION
-    return EXIT_PARTIAL if result.truncated else EXIT_OK
+    return EXIT_OK
 
 
 def _workers_value(text: str) -> Any:
