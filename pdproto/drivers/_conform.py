@@ -375,22 +375,25 @@ class _Proj:
         return False
 
     def candidates(self, s: Any, pending: tuple, kind: str) -> tuple:
-        """``(model event, next state, events still to see)`` for each way an
-        event of ``kind`` can come next from configuration ``(s, pending)``:
-        one of the pending events, or (none pending) an event of a step from
-        the silent closure of ``s``.  Memoised."""
+        """``(model event, next state, events still to see, blocks)`` for each
+        way an event of ``kind`` can come next from configuration ``(s,
+        pending)``: one of the pending events, or (none pending) an event of a
+        step from the silent closure of ``s``; ``blocks``, when not None, are
+        the model blocks still held just before that step (silent steps on
+        the way freed the others: their bindings end).  Memoised."""
         key = (s, pending, kind)
         out = self._cands.get(key)
         if out is None:
             found: dict = {}
             if pending:
                 for i in _positions(pending, kind):
-                    found.setdefault((pending[i], s, pending[:i] + pending[i + 1 :]))
+                    found.setdefault((pending[i], s, pending[:i] + pending[i + 1 :], None))
             else:
                 for t in self.closure(s):
+                    before = self.live_blocks(t) if t is not s and self.handoff else None
                     for _, ns, obs in self.succ(t):
                         for i in _positions(obs, kind):
-                            found.setdefault((obs[i], ns, obs[:i] + obs[i + 1 :]))
+                            found.setdefault((obs[i], ns, obs[:i] + obs[i + 1 :], before))
             out = self._cands[key] = tuple(found)
         return out
 
@@ -650,8 +653,8 @@ class _Search:
         out: dict = {}
         kind = e.EV
         for c in rq.cfgs:
-            for pe, ns, rest in proj.candidates(c.state, c.pending, kind):
-                ren = _match(pe, e, c.ren)
+            for pe, ns, rest, held in proj.candidates(c.state, c.pending, kind):
+                ren = _match(pe, e, c.ren if held is None else _unbind_blocks(c.ren, held))
                 if ren is not None:
                     self._add(out, proj, ns, rest, ren)
         return list(out.values())
@@ -693,6 +696,7 @@ class _Search:
             bound = c.ren.back.get(e.worker)
             for s in proj.closure(c.state):
                 took = False
+                base = c.ren if s is c.state or not proj.handoff else _unbind_blocks(c.ren, proj.live_blocks(s))
                 for a, ns, obs in proj.succ(s):
                     if a.kind != "restart":
                         continue
@@ -701,14 +705,11 @@ class _Search:
                         continue
                     if bound is None and (("w", mw) in c.ren.fwd or not _role_fits(role, mw)):
                         continue
-                    for i, ren in _matches(obs, e, c.ren):
+                    for i, ren in _matches(obs, e, base):
                         took = True
                         self._add(out, proj, ns, obs[:i] + obs[i + 1 :], ren)
-                    if not obs:  # restart kind unobserved: nothing to match
-                        took = True
-                        self._add(out, proj, ns, (), c.ren)
                 if not took or bound is None:
-                    self._add(out, proj, s, (), c.ren)
+                    self._add(out, proj, s, (), base)
         return list(out.values())
 
     # shared resources
