@@ -1,4 +1,7 @@
 """A client cancel during prefill never reaches the prefill worker, which keeps the request's blocks.
+Caveat: leak only because the model has no P-side lease on an ended
+generation's blocks: the engines bound the real hold (vLLM's prefill worker
+frees them after its 480 s abort timeout, VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
 
 Reproduces ai-dynamo/dynamo#13691 (analysis and fix in ai-dynamo/dynamo#14507):
 Dynamo's prefill router built the remote-prefill request with
@@ -21,6 +24,11 @@ PROJECT = "dynamo"
 LINKS = ("https://github.com/ai-dynamo/dynamo/issues/13691", "https://github.com/ai-dynamo/dynamo/pull/14507")
 FAMILY = "pull"
 FAULTS = ("cancel",)
+CAVEAT = (
+    "Leak only because the model has no P-side lease on an ended generation's blocks: the engines bound "
+    "the real hold (vLLM's prefill worker frees them after its 480 s abort timeout, "
+    "VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."
+)
 PHASE = "prefilling"
 EXPECTED = "leak"
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=1, blocks=1, faults={"cancel": 1})

@@ -1,4 +1,7 @@
 """P's waiting queue ignores a decode-side abort and still prefills the aborted request.
+Caveat: the prefill is inferred: the report shows the aborted request left in
+P's waiting queue holding a metadata slot, not that it was prefilled;
+resurrection catches that inferred prefill.
 
 Project SGLang, https://github.com/sgl-project/sglang/pull/28236 (a sister
 of sgl-project/sglang#9817).  Mechanism: when D aborts a request it sends
@@ -21,6 +24,10 @@ PROJECT = "sglang"
 LINKS = ("https://github.com/sgl-project/sglang/pull/28236",)
 FAMILY = "push"
 FAULTS = ("cancel",)
+CAVEAT = (
+    "The prefill is inferred: the report shows the aborted request left in P's waiting queue holding a "
+    "metadata slot, not that it was prefilled; resurrection catches that inferred prefill."
+)
 PHASE = "reserved"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"cancel": 1})
 

@@ -1,4 +1,6 @@
 """A request aborted on P while it prefills is never reported to D, which keeps its reserved slots.
+Caveat: leak only because the model has no D-side waiting timeout: SGLang's D
+frees the slots after 300 s (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
 
 Reproduces sgl-project/sglang#28651 (production outage with the Mooncake
 transfer backend): ``MooncakeKVSender.abort()`` never notified the decode
@@ -19,6 +21,10 @@ PROJECT = "sglang"
 LINKS = ("https://github.com/sgl-project/sglang/pull/28651",)
 FAMILY = "push"
 FAULTS = ("cancel",)
+CAVEAT = (
+    "Leak only because the model has no D-side waiting timeout: SGLang's D frees the slots after 300 s "
+    "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)."
+)
 PHASE = "prefilling"
 EXPECTED = "leak"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"cancel": 1})

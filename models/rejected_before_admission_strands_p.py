@@ -1,4 +1,7 @@
 """A request that D rejects before admitting it never tells P, whose blocks are stranded.
+Caveat: leak only because the model has no P-side lease on an ended
+generation's blocks: vLLM's P frees them after its 480 s abort timeout
+(VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
 
 Project vLLM, https://github.com/vllm-project/vllm/pull/41269.  Mechanism: D
 can refuse a handed-off request before its engine admits it (request
@@ -20,6 +23,10 @@ PROJECT = "vllm"
 LINKS = ("https://github.com/vllm-project/vllm/pull/41269",)
 FAMILY = "pull"
 FAULTS = ("cancel",)
+CAVEAT = (
+    "Leak only because the model has no P-side lease on an ended generation's blocks: vLLM's P frees them "
+    "after its 480 s abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."
+)
 PHASE = "prefilled"
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=1, blocks=1, faults={"cancel": 1})
 

@@ -1,4 +1,7 @@
 """The router retries a PD request under the same request id as the attempt it replays.
+Caveat: caught by construction: stale-generation rejects the replay's own
+submit (it reuses the generation it replays); the orphaned first attempt and
+the duplicate bootstrap entry that hurt SGLang are not what the model checks.
 
 Reproduces sgl-project/sglang#34570 ("[router] PD: never auto-replay a
 request that may already be dispatched"): PD dispatch is not idempotent, yet
@@ -21,6 +24,11 @@ PROJECT = "sglang"
 LINKS = ("https://github.com/sgl-project/sglang/pull/34570",)
 FAMILY = "push"
 FAULTS = ("timeout", "retry")
+CAVEAT = (
+    "Caught by construction: stale-generation rejects the replay's own submit (it reuses the generation "
+    "it replays); the orphaned first attempt and the duplicate bootstrap entry that hurt SGLang are not "
+    "what the model checks."
+)
 EXPECTED = "stale-generation"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"timeout": 1, "retry": 1})
 

@@ -10,11 +10,10 @@ executor iteration).  In the model the timeout fails the generation during
 its transfer, and the cleanup frees P's source once the aborted transfer has
 ended; this mutant's ``free_source``, for a generation whose transfer was
 started, runs only when P has a free block to schedule a new prefill with,
-so with one block per worker the timed-out generation keeps its block and
-the next request waits forever.
+so with one block per worker the timed-out generation keeps its block for
+good (no new context request can be scheduled to run the cleanup).
 Family: pull (TensorRT-LLM prefills on the context server first, then the
-generation server takes the KV).  Caught as ``leak`` (at the same line the
-monitor also reports the waiting request as ``stuck``).
+generation server takes the KV).  Caught as ``leak``.
 """
 
 from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE, XferState
@@ -25,7 +24,7 @@ LINKS = ("https://github.com/NVIDIA/TensorRT-LLM/pull/12313",)
 FAMILY = "pull"
 FAULTS = ("timeout",)
 PHASE = "transferring"
-DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=1, faults={"timeout": 1})
+DEFAULT_CONFIG = ModelConfig(policy="pull", requests=1, blocks=1, faults={"timeout": 1})
 
 
 def idle_and_p_schedules(m, s, r, q, xi):

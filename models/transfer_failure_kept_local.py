@@ -1,4 +1,7 @@
 """P records a failed KV write only locally: D is never told and waits for the KV forever.
+Caveat: stuck only because the model has no D-side waiting timeout: SGLang's D
+gives up after 300 s (SGLANG_DISAGGREGATION_WAITING_TIMEOUT), and a run with a
+timeout fault (the router's deadline) ends the generation cleanly.
 
 Reproduces sgl-project/sglang#36108 (fixes sgl-project/sglang#36033): the
 NIXL prefill-side transfer worker recorded transfer errors only in its own
@@ -19,6 +22,11 @@ PROJECT = "sglang"
 LINKS = ("https://github.com/sgl-project/sglang/pull/36108", "https://github.com/vllm-project/vllm/pull/50754")
 FAMILY = "push"
 FAULTS = ("transfer_fail",)
+CAVEAT = (
+    "Stuck only because the model has no D-side waiting timeout: SGLang's D gives up after 300 s "
+    "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT), and a run with a timeout fault (the router's deadline) ends "
+    "the generation cleanly."
+)
 EXPECTED = "stuck"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"transfer_fail": 1})
 
