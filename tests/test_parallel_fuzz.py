@@ -13,7 +13,7 @@ import pytest
 
 from pdproto import fuzz, load_model
 from pdproto._cli import main
-from pdproto.drivers._parallel_fuzz import merge, plan, split_examples, worker_seed
+from pdproto.drivers._parallel_fuzz import max_local_workers, merge, plan, split_examples, worker_seed
 
 pytest_plugins = ["pytester"]
 
@@ -47,8 +47,12 @@ def test_two_workers_find_what_serial_finds(name):
     assert parallel.counters["workers"] == 2 and serial.counters["workers"] == 1
     found = parallel.counters["invariants_found"]
     assert parallel.violation.invariant in found
-    # the reported failure is the shortest any worker found
-    assert len(parallel.failure.trace) == min(v["steps"] for v in found.values())
+    # the reported failure is the shortest any worker found: each share run alone
+    alone = [fuzz(model, examples=s.examples, steps=100, seed=s.seed, database=None) for s in plan(300, 2, 0)]
+    lengths = [(len(a.failure.trace), i) for i, a in enumerate(alone) if a.failure is not None]
+    assert lengths and len(parallel.failure.trace) == min(lengths)[0]
+    assert parallel.counters["found_by_worker"] == min(lengths)[1]
+    assert parallel.counters["found_at_example"] == alone[min(lengths)[1]].counters["found_at_example"]
 
 
 def test_counts_add_up_to_the_budget_and_merge_exactly():
@@ -75,7 +79,14 @@ def test_same_seed_same_merged_result_other_seed_other():
     model, _ = load_model("reference")
     a, b, c = (fuzz(model, examples=4, steps=100, seed=s, database=None, workers=2) for s in (3, 3, 4))
     assert _untimed(a) == _untimed(b)
-    assert _untimed(a) != _untimed(c)
+
+    def walked(r):  # what the runs did, not the seed they report
+        return ([w["steps"] for w in r.counters["worker_runs"]], r.counters["distinct_states"],
+                r.counters["action_kinds"])
+
+    assert walked(a) == walked(b)
+    assert [w["steps"] for w in a.counters["worker_runs"]] != [w["steps"] for w in c.counters["worker_runs"]]
+    assert walked(a) != walked(c)
 
 
 def test_distinct_seeds_per_worker():
@@ -90,10 +101,96 @@ def test_distinct_seeds_per_worker():
 
 def test_split_examples():
     assert split_examples(10, 3) == [4, 3, 3]
-    assert split_examples(1, 3) == [1, 0, 0]
+    assert split_examples(1, 3) == [1]  # no entry for an idle worker
+    assert split_examples(0, 3) == [0]
     assert [s.examples for s in plan(1, 3, 0)] == [1]  # idle workers are not started
     for n, w in [(0, 1), (5, 5), (200, 7)]:
         assert sum(split_examples(n, w)) == n
+    # a huge worker count is split over the examples only, at once
+    assert split_examples(2, 10**20) == [1, 1]
+    assert [(s.worker, s.examples) for s in plan(2, 10**7, 0)] == [(0, 1), (1, 1)]
+
+
+def test_workers_far_above_the_cpus_refused(tmp_path, capsys, monkeypatch):
+    from pdproto import UsageError
+    from pdproto.drivers._parallel_fuzz import max_local_workers
+
+    limit = max_local_workers()
+    model, _ = load_model("reference")
+    with pytest.raises(UsageError) as exc:
+        fuzz(model, examples=2, steps=10, seed=0, database=None, workers=limit + 1)
+    assert exc.value.value == limit + 1
+    monkeypatch.chdir(tmp_path)
+    assert main(["fuzz", "--workers", "99999999999999999999", "--examples", "2", "--no-database", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--workers: 99999999999999999999" in err[0] and str(limit) in err[0]
+
+
+def test_workers_reports_the_shares_that_ran(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    asked = min(8, max_local_workers())
+    assert main(["fuzz", "--workers", str(asked), "--examples", "3", "--steps", "20", "--seed", "1",
+                 "--no-database", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert len(r["worker_runs"]) == 3 and r["workers"] == 3 and r["workers_requested"] == asked
+    assert r["found_by_worker"] is None
+
+
+def _capture_ray(monkeypatch):
+    """Replace run_ray: record the workers it is asked for, run nothing."""
+    import pdproto.drivers._ray_fuzz as ray_fuzz
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(model, examples, workers, seed, options, *, address=None):
+        asked.append(workers)
+        raise Stop
+
+    monkeypatch.setattr(ray_fuzz, "run_ray", fake)
+    return asked, Stop
+
+
+def test_workers_one_with_ray_is_one_task(tmp_path, monkeypatch, capsys):
+    """--workers 1 --ray asks for one task; only --ray without --workers asks
+    for the cluster's CPUs (None)."""
+    asked, Stop = _capture_ray(monkeypatch)
+    model, _ = load_model("reference")
+    for workers in (1, None, 3):
+        with pytest.raises(Stop):
+            fuzz(model, examples=4, steps=10, seed=0, database=None, workers=workers, ray=True)
+    assert asked == [1, None, 3]
+    monkeypatch.chdir(tmp_path)
+    asked.clear()
+    for flags in (["--workers", "1"], []):
+        with pytest.raises(Stop):
+            main(["fuzz", "--ray", *flags, "--examples", "4", "--steps", "10", "--no-database", "--json"])
+    assert asked == [1, None]
+
+
+def _fake_ray(monkeypatch, message):
+    """A ray module whose init fails as Ray's does on a bad address."""
+    import types
+
+    def init(address=None, **kw):
+        raise ValueError(message)
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init, shutdown=lambda: None)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+
+
+def test_ray_bad_address_names_the_address(tmp_path, monkeypatch, capsys):
+    _fake_ray(monkeypatch, "Invalid address format: ")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["fuzz", "--ray=", "--examples", "2", "--no-database", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ray: '' is not allowed" in err[0] and "a local instance" not in err[0]
+    monkeypatch.setenv("RAY_ADDRESS", "nowhere:1")
+    assert main(["fuzz", "--ray", "--examples", "2", "--no-database", "--json"]) == 2
+    assert "RAY_ADDRESS: 'nowhere:1'" in capsys.readouterr().err
 
 
 def test_no_seed_draws_one_that_repeats_the_run():
@@ -106,8 +203,9 @@ def test_no_seed_draws_one_that_repeats_the_run():
 
 def test_one_database_replays_a_workers_failure_first(tmp_path, monkeypatch):
     """A failure a worker saved is fetched from the shared database, and
-    replayed, by every worker of the next run (serial or parallel, any seed)
-    before anything is generated; a run on another directory fetches nothing."""
+    replayed, by every worker of the next parallel run (any seed) and by a
+    serial unseeded one, before anything is generated; a serial seeded run
+    and a run on another directory fetch nothing."""
     from hypothesis.database import DirectoryBasedExampleDatabase
 
     log = tmp_path / "fetched"
@@ -134,13 +232,37 @@ def test_one_database_replays_a_workers_failure_first(tmp_path, monkeypatch):
     first = fuzz(model, examples=50, steps=100, seed=0, database=db, workers=2)
     assert first.violation is not None and os.listdir(db)
     assert fetched() == [0, 0]
-    for workers in (1, 2):
-        later = fuzz(model, examples=50, steps=100, seed=99, database=db, workers=workers)
+    for workers, seed in ((1, None), (2, 99)):
+        later = fuzz(model, examples=50, steps=100, seed=seed, database=db, workers=workers)
         assert later.violation.invariant == first.violation.invariant
         counts = fetched()
         assert len(counts) == workers and min(counts) >= 1
+    fuzz(model, examples=50, steps=100, seed=0, database=db)  # serial and seeded: no database
+    assert fetched() == []
     fuzz(model, examples=5, steps=100, seed=99, database=str(tmp_path / "other"), workers=2)
     assert fetched() == [0, 0]
+
+
+def test_serial_seeded_runs_repeat_with_a_database(tmp_path, monkeypatch, capsys):
+    """As at 0aac5b2: a serial --seed run is the same run every time, with
+    the example database on (the default) - the first run's failure is not
+    replayed by the second."""
+    db = str(tmp_path / "db")
+    model, _ = load_model("restart-without-fencing")
+    runs = [fuzz(model, examples=200, steps=100, seed=0, database=db) for _ in range(2)]
+    assert runs[0].violation is not None
+    assert _untimed(runs[0]) == _untimed(runs[1])
+    assert runs[0].counters["found_at_example"] == runs[1].counters["found_at_example"] > 1
+    assert not os.path.exists(db) or not os.listdir(db)  # nothing saved either
+    monkeypatch.chdir(tmp_path)
+    got = []
+    for _ in range(2):
+        assert main(["fuzz", "restart-without-fencing", "--seed", "0", "--examples", "200", "--steps", "100",
+                     "--json"]) == 1
+        r = json.loads(capsys.readouterr().out)
+        got.append((r["found_at_example"], r["examples"], r["steps"]))
+    assert got[0] == got[1] == (runs[0].counters["found_at_example"], runs[0].counters["examples"],
+                                runs[0].counters["steps"])
 
 
 def test_cli_workers_json_and_out(tmp_path, capsys, monkeypatch):
@@ -297,3 +419,36 @@ def test_coverage_of_the_merged_states(tmp_path, capsys, monkeypatch):
     assert r["workers"] == 2 and r["reachable_states"]
     assert r["coverage"] == round(r["distinct_states"] / r["reachable_states"], 5)
     assert r["distinct_states"] >= max(w["distinct_states"] for w in r["worker_runs"])
+
+
+def test_a_crash_is_reported_while_other_workers_still_run(monkeypatch):
+    """Worker 1 crashes at once while worker 0 would run for a minute: the
+    crash is reported within seconds (replies are read as they come), and
+    worker 0's process is terminated."""
+    import time
+
+    import pdproto.drivers._parallel_fuzz as pf
+
+    started = []
+
+    def share_run(model, share, options):  # forked: the children run this
+        if share.worker == 0:
+            time.sleep(60)
+        raise RuntimeError(f"boom in worker {share.worker}")
+
+    monkeypatch.setattr(pf, "run_share", share_run)
+    process = pf.multiprocessing.get_context("fork").Process
+    real_start = process.start
+
+    def start(self):
+        real_start(self)
+        started.append(self)
+
+    monkeypatch.setattr(process, "start", start)
+    model, _ = load_model("reference")
+    t0 = time.perf_counter()
+    with pytest.raises(pf.FuzzWorkerError) as exc:
+        pf.run_processes(model, plan(2, 2, 0), {})
+    assert exc.value.worker == 1 and "boom in worker 1" in str(exc.value)
+    assert time.perf_counter() - t0 < 20
+    assert len(started) == 2 and not any(p.is_alive() for p in started)

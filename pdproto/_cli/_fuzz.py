@@ -166,8 +166,12 @@ def run(args: argparse.Namespace, console: Any) -> int:
                 model, examples=args.examples, steps=args.steps or 300, seed=args.seed, out=args.out,
                 database=None if args.no_database else ".hypothesis/examples", backend=backend,
                 coverage_states=args.coverage_exhaustive, name=info.name, expected=info.expected,
-                stats=stats, explain=args.explain, workers=processes or 1, ray=args.ray,
+                stats=stats, explain=args.explain, workers=processes, ray=args.ray,
             )
+    except UsageError as exc:
+        if exc.what != "workers":
+            raise
+        raise UsageError("--workers", exc.value, exc.allowed) from None
     finally:
         if backend is not None and hasattr(backend, "close"):
             backend.close()  # the transport torch_backend_factory made
@@ -194,9 +198,14 @@ def _report(console: Any, result: dict[str, Any], failure: Any) -> None:
     table.add_row("fault kinds", ", ".join(f"{k} {n}" for k, n in result["fault_kinds"].items()) or "-")
     phases = result.get("phase_seconds") or {}
     table.add_row("phase seconds", ", ".join(f"{k} {v}" for k, v in phases.items() if v) or "-")
-    if result.get("workers", 1) > 1:
-        runs = result.get("worker_runs") or []
-        table.add_row("workers", f"{result['workers']} (examples " + ", ".join(
+    if result.get("worker_runs"):
+        runs = result["worker_runs"]
+        asked = result.get("workers_requested")
+        shown = f"{result['workers']}" + (f" of {asked} asked for" if asked not in (None, result["workers"]) else "")
+        if result.get("found_by_worker") is not None:
+            shown += f"; the failure found by worker {result['found_by_worker']} at its example " \
+                     f"{result.get('found_at_example')}"
+        table.add_row("workers", f"{shown} (examples " + ", ".join(
             str(r["examples"]) for r in runs) + "; counts and distinct states merged; cpu seconds "
             f"{result.get('cpu_seconds')})")
     if result["seed"] is not None:

@@ -282,7 +282,7 @@ def fuzz(
     expected: str | None = None,
     stats: FuzzStats | None = None,
     explain: bool = False,
-    workers: int = 1,
+    workers: int | None = None,
     ray: bool | str = False,
 ) -> FuzzResult:
     """Fuzz ``model`` with its Hypothesis state machine; return a :class:`FuzzResult`.
@@ -299,38 +299,53 @@ def fuzz(
     into (for a live progress line).  ``explain``: run Hypothesis's explain
     phase after shrinking (off by default: it took about 95% of the time of a
     run that found a bug, and the shrunk history is the same without it).
-    ``workers``: split the examples over that many worker processes;
-    ``ray``: over Ray tasks instead (True: a local Ray instance, or a
-    cluster's address); see :mod:`pdproto.drivers._parallel_fuzz`.
+    ``workers``: split the examples over that many worker processes (None
+    or 1: the serial run); ``ray``: over Ray tasks instead (True: a local Ray
+    instance, or a cluster's address; ``workers`` tasks, None: one per CPU of
+    the cluster); see :mod:`pdproto.drivers._parallel_fuzz`.
     Whatever Hypothesis prints is swallowed.
     """
-    from ._machine import run_machine
-
     out_path = os.fspath(out) if out is not None else None
     if out_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(out_path))):
         raise UsageError("out", out_path, "a file in an existing directory")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise UsageError("workers", workers, "an integer >= 1 (or None)")
     name = name if name is not None else getattr(model, "name", type(model).__name__)
     stats = stats if stats is not None else FuzzStats()
-    if workers != 1 or ray is not False:
+    if (workers is not None and workers > 1) or ray is not False:
         from ._parallel_fuzz import fuzz_parallel
 
         return fuzz_parallel(model, dict(
             examples=examples, steps=steps, seed=seed, out=out_path, database=database, backend=backend,
             coverage_states=coverage_states, name=name, expected=expected, stats=stats, explain=explain,
-        ), workers=workers if workers != 1 or ray is False else None, ray=ray)
+        ), workers=workers, ray=ray)
     if coverage_states is not None:
         stats.reachable = reachable_states(model, max_states=coverage_states)
+    return fuzz_serial(model, examples=examples, steps=steps, seed=seed, out=out_path, database=database,
+                       backend=backend, name=name, expected=expected, stats=stats, explain=explain)
+
+
+def fuzz_serial(model: Any, *, examples: int, steps: int, seed: int | None, out: str | None,
+                database: str | None, backend: Callable[[Any], Any] | None, name: str,
+                expected: str | None, stats: FuzzStats, explain: bool,
+                seeded_database: bool = False) -> FuzzResult:
+    """The serial run of :func:`fuzz` (its arguments checked, ``name`` and
+    ``stats`` set).  ``seeded_database``: a seeded run still uses the
+    database (a worker of a parallel run; see
+    :func:`~pdproto.drivers._machine.run_machine`)."""
+    from ._machine import run_machine
+
     identity = f"pdproto-fuzz:{name}:{getattr(model, 'config', None)!r}"
     phases: dict[str, float] = {}
     t0, c0 = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(io.StringIO()):
-        failure = run_machine(model, examples=examples, steps=steps, seed=seed, out=out_path,
+        failure = run_machine(model, examples=examples, steps=steps, seed=seed, out=out,
                               database=database, identity=identity, backend=backend, stats=stats,
-                              explain=explain, phase_seconds=phases)
-    if failure is not None and out_path is not None:
+                              explain=explain, phase_seconds=phases, seeded_database=seeded_database)
+    if failure is not None and out is not None:
         # with several distinct bugs Hypothesis replays each; the file must
         # hold the one reported here
-        write_history(out_path, failure.events, failure.header)
+        write_history(out, failure.events, failure.header)
     seconds = time.perf_counter() - t0
     counters = stats.to_dict()
     counters["seconds"] = round(seconds, 3)
@@ -341,7 +356,6 @@ def fuzz(
     counters["workers"] = 1
     return FuzzResult(model=name, expected=expected, seed=seed, seconds=seconds, counters=counters,
                       failure=failure, stats=stats)
-
 
 __all__ = [
     "fuzz",

@@ -829,12 +829,17 @@ def _example(setup: _Setup, data: Any, steps: int) -> None:
 def run_machine(model: Any, *, examples: int, steps: int, seed: int | None, out: str | None,
                 database: str | None, identity: str, backend: Callable[[Any], Any] | None,
                 stats: FuzzStats, explain: bool = False,
-                phase_seconds: dict[str, float] | None = None) -> HandoffFailure | None:
+                phase_seconds: dict[str, float] | None = None,
+                seeded_database: bool = False) -> HandoffFailure | None:
     """Run ``model``'s walk for ``examples`` examples of at most ``steps``
     steps; the (shrunk) failure, or None.  Anything else it raises
     propagates.  ``phase_seconds`` receives the wall seconds of each of
     Hypothesis's phases.
 
+    A seeded run uses no database (Hypothesis's ``@seed`` turns it off), so
+    the same seed gives the same run whatever an earlier run saved;
+    ``seeded_database`` keeps the database on for a seeded run (what each
+    worker of a parallel run does: the workers share one database, issue 16).
     Exactly repeatable without a database: the same seed, model and
     settings give the same examples in the same order (Hypothesis stops
     generating at the first failure, rather than hunting for more bugs for
@@ -853,9 +858,9 @@ def run_machine(model: Any, *, examples: int, steps: int, seed: int | None, out:
         _example(setup, data, steps)
 
     test = hseed(seed)(fuzz_model) if seed is not None else fuzz_model
-    if seed is not None and db is not None:
-        # Hypothesis's @seed turns the database off; a seeded run (each worker
-        # of a parallel one) still replays and saves failures (issue 16)
+    if seed is not None and db is not None and seeded_database:
+        # Hypothesis's @seed turns the database off; a worker of a parallel
+        # run still replays and saves failures (issue 16)
         test._hypothesis_internal_use_settings = settings(  # type: ignore[attr-defined]
             test._hypothesis_internal_use_settings, database=namespaced_database(db, identity))  # type: ignore[attr-defined]
     with phase_statistics() as seconds:

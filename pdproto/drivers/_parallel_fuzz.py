@@ -4,19 +4,23 @@ processes (or Ray tasks, :mod:`._ray_fuzz`), merged into one
 
 - **Budget.**  ``examples`` is split as evenly as it goes: worker ``i`` of
   ``n`` runs ``examples // n`` examples, one more when ``i < examples % n``
-  (:func:`split_examples`); a worker with no example is not started.
+  (:func:`split_examples`); a worker with no example is not started, and
+  a run on this machine asks for at most :data:`WORKERS_PER_CPU` workers
+  per CPU (:func:`check_local_workers`).
 - **Seeds.**  Worker ``i`` fuzzes with :func:`worker_seed` ``(seed, i)``, a
   digest of the user's seed and ``i``: distinct per worker and the same on
-  every run, so the same seed gives the same merged result (without an
-  example database, as for a serial run).  With no seed, one is drawn and
+  every run, so the same seed gives the same merged result without an
+  example database.  With no seed, one is drawn and
   reported, so the run can be repeated.
 - **Database.**  Every worker opens the same example-database directory
   under the same key (the model and its configuration): a failure one
-  worker saved is replayed first by every worker of the next run, serial
-  or parallel.
+  worker saved is replayed first by every worker of the next run, parallel
+  or serial and unseeded.  Unlike a serial seeded run, each worker keeps the
+  database on under its seed (``seeded_database``).
 - **Merge** (:func:`merge`).  Examples, steps, episodes and the action and
   fault counts add up; distinct states are the union of the workers' sets;
-  the reported failure is the shortest one (ties: the lowest worker), and
+  the reported failure is the shortest one (ties: the lowest worker,
+  ``found_by_worker``; ``found_at_example`` is that worker's own example), and
   ``invariants_found`` names, per invariant, the worker that found its
   shortest failure.  Rates divide by the wall time of the whole run;
   ``cpu_seconds`` and ``phase_seconds`` add up the workers'.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import random
 import time
@@ -40,7 +45,7 @@ import attrs
 
 from .._errors import PdprotoError, UsageError
 from ..spec._history import write_history
-from ._fuzz import PHASE_NAMES, FuzzResult, FuzzStats, HandoffFailure, reachable_states
+from ._fuzz import PHASE_NAMES, FuzzResult, FuzzStats, HandoffFailure, fuzz_serial, reachable_states
 
 
 class FuzzWorkerError(PdprotoError):
@@ -63,11 +68,37 @@ def _summary(exc: BaseException) -> str:
 
 def split_examples(examples: int, workers: int) -> list[int]:
     """The examples of each of ``workers`` shares of ``examples`` (they add
-    up to ``examples``; the first ``examples % workers`` get one more)."""
+    up to ``examples``; the first ``examples % workers`` get one more).  At
+    most ``max(examples, 1)`` shares: a worker with no example gets no entry."""
     if workers < 1:
         raise UsageError("workers", workers, "an integer >= 1")
+    workers = min(workers, max(examples, 1))
     base, extra = divmod(examples, workers)
     return [base + (1 if i < extra else 0) for i in range(workers)]
+
+
+#: worker processes (or tasks of a local Ray instance) allowed per CPU of
+#: this machine: more only time-slice the same CPUs
+WORKERS_PER_CPU = 4
+
+
+def max_local_workers() -> int:
+    """The most workers a run on this machine may ask for:
+    :data:`WORKERS_PER_CPU` per CPU this process may use."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return WORKERS_PER_CPU * max(cpus, 1)
+
+
+def check_local_workers(workers: int) -> None:
+    """:class:`UsageError` naming ``workers`` when it is far above this
+    machine's CPUs (:func:`max_local_workers`)."""
+    limit = max_local_workers()
+    if workers > limit:
+        raise UsageError("workers", workers, f"at most {limit} on this machine ({WORKERS_PER_CPU} per CPU; "
+                         "a Ray cluster's address takes more)")
 
 
 def worker_seed(seed: int, worker: int) -> int:
@@ -106,11 +137,11 @@ def portable(model: Any) -> Any:
 def run_share(model: Any, share: Share, options: dict[str, Any]) -> FuzzResult:
     """Fuzz ``model`` (or what :func:`portable` made of it) for one share:
     what a worker process or Ray task runs."""
-    from ._fuzz import fuzz
-
     if isinstance(model, tuple) and model and model[0] in ("build", "model"):
         model = model[1](model[2]) if model[0] == "build" else model[1]
-    return fuzz(model, examples=share.examples, seed=share.seed, **options)
+    # seeded, and still on the shared database (a serial seeded run is not)
+    return fuzz_serial(model, examples=share.examples, seed=share.seed, stats=FuzzStats(),
+                       seeded_database=True, **options)
 
 
 # -- worker processes --------------------------------------------------------------
@@ -131,11 +162,13 @@ def _child(conn: Any, model: Any, share: Share, options: dict[str, Any]) -> None
 def run_processes(model: Any, shares: Sequence[Share], options: dict[str, Any]) -> list[FuzzResult]:
     """Run each share in a worker process of this machine (forked where the
     platform can: the model is not pickled then) and return their results
-    in share order.  Raises :class:`FuzzWorkerError` for a worker that
-    failed; every worker is ended before this returns."""
+    in share order.  Replies are read as they come: the first worker that
+    fails raises :class:`FuzzWorkerError` at once, and the others are
+    terminated; every worker is ended before this returns."""
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     procs, conns = [], []
+    failed = True  # until every reply came back
     sent = model if ctx.get_start_method() == "fork" else portable(model)
     try:
         for share in shares:
@@ -146,18 +179,26 @@ def run_processes(model: Any, shares: Sequence[Share], options: dict[str, Any]) 
             there.close()
             procs.append(p)
             conns.append(here)
-        replies = []
-        for share, p, conn in zip(shares, procs, conns):
-            try:  # receive before join: a large reply fills the pipe
-                ok, value = conn.recv()
-            except EOFError:
-                ok, value = False, ("", f"the worker process exited (code {p.join() or p.exitcode})")
-            if not ok:
-                raise FuzzWorkerError(share.worker, *value)
-            replies.append(value)
-        return replies
+        replies: dict[int, FuzzResult] = {}
+        waiting = {conn: i for i, conn in enumerate(conns)}
+        while waiting:
+            for conn in multiprocessing.connection.wait(list(waiting)):
+                i = waiting.pop(conn)  # type: ignore[call-overload]
+                try:  # receive before join: a large reply fills the pipe
+                    ok, value = conn.recv()
+                except EOFError:
+                    p = procs[i]
+                    p.join(timeout=5)
+                    ok, value = False, ("", f"the worker process exited (code {p.exitcode})")
+                if not ok:
+                    raise FuzzWorkerError(shares[i].worker, *value)
+                replies[i] = value
+        failed = False
+        return [replies[i] for i in range(len(shares))]
     finally:
         for p in procs:
+            if failed and p.is_alive():
+                p.terminate()  # a worker failed: the others' work is not reported
             p.join(timeout=0.5)
             if p.is_alive():
                 p.terminate()
@@ -173,8 +214,10 @@ def merge(results: Sequence[FuzzResult], shares: Sequence[Share], *, workers: in
           seconds: float, name: str, expected: str | None, reachable: int | None = None,
           stats: FuzzStats | None = None, out: str | None = None) -> FuzzResult:
     """One :class:`FuzzResult` from the workers' (see the module doc).
-    ``stats``: a :class:`FuzzStats` to merge into (else a new one); ``out``:
-    where the failure's history is (to be) written."""
+    ``workers``: the workers asked for (``workers_requested``; ``workers``
+    counts the shares that ran).  ``stats``: a :class:`FuzzStats` to merge
+    into (else a new one); ``out``: where the failure's history is (to be)
+    written."""
     merged = stats if stats is not None else FuzzStats()
     merged.reachable = reachable
     failed = []
@@ -190,9 +233,9 @@ def merge(results: Sequence[FuzzResult], shares: Sequence[Share], *, workers: in
         if r.failure is not None:
             failed.append((len(r.failure.trace), share.worker, r))
     merged.seconds = seconds
-    failure = None
+    failure, found_by = None, None
     if failed:
-        _, _, first = min(failed, key=lambda f: f[:2])
+        _, found_by, first = min(failed, key=lambda f: f[:2])
         f = first.failure
         failure = merged.failure = HandoffFailure(f.violation, f.trace, out, f.events, f.header)
         merged.found_at = first.counters.get("found_at_example")
@@ -202,7 +245,10 @@ def merge(results: Sequence[FuzzResult], shares: Sequence[Share], *, workers: in
     counters["phase_seconds"] = {
         phase: round(sum(r.counters.get("phase_seconds", {}).get(phase, 0.0) for r in results), 3)
         for phase in PHASE_NAMES}
-    counters["workers"] = workers
+    counters["workers"] = len(shares)
+    counters["workers_requested"] = workers
+    # found_at_example is the finding worker's own example number
+    counters["found_by_worker"] = found_by
     best: dict[str, dict[str, Any]] = {}
     for steps, worker, r in sorted(failed, key=lambda f: f[:2]):
         best.setdefault(r.failure.violation.invariant, {
@@ -228,6 +274,8 @@ def fuzz_parallel(model: Any, arguments: dict[str, Any], *, workers: int | None 
     workers count in their own processes)."""
     if workers is not None and workers < 1:
         raise UsageError("workers", workers, "an integer >= 1")
+    if workers is not None and (ray is False or (ray is True and "RAY_ADDRESS" not in os.environ)):
+        check_local_workers(workers)  # processes, or a local Ray instance's CPUs
     examples, database, name = arguments["examples"], arguments["database"], arguments["name"]
     out_path, expected, coverage_states = arguments["out"], arguments["expected"], arguments["coverage_states"]
     seed = arguments["seed"] if arguments["seed"] is not None else random.SystemRandom().getrandbits(32)
@@ -239,9 +287,8 @@ def fuzz_parallel(model: Any, arguments: dict[str, Any], *, workers: int | None 
     if ray is not False:
         from ._ray_fuzz import run_ray
 
-        results, shares = run_ray(model, examples, workers, seed, options,
-                                  address=None if ray is True else str(ray))
-        workers = max(workers or 0, len(shares))
+        results, shares, workers = run_ray(model, examples, workers, seed, options,
+                                           address=None if ray is True else str(ray))
     else:
         workers = workers or 1
         shares = plan(examples, workers, seed)
@@ -255,4 +302,5 @@ def fuzz_parallel(model: Any, arguments: dict[str, Any], *, workers: int | None 
 
 
 __all__ = ["fuzz_parallel", "FuzzWorkerError", "Share", "plan", "split_examples", "worker_seed",
+           "WORKERS_PER_CPU", "max_local_workers", "check_local_workers",
            "portable", "run_share", "run_processes", "merge"]

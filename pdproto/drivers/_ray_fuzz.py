@@ -16,6 +16,7 @@ machines share it only when it is on a shared file system.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .._errors import MissingExtraError, UsageError
@@ -34,9 +35,10 @@ def import_ray() -> Any:
 
 
 def run_ray(model: Any, examples: int, workers: int | None, seed: int, options: dict[str, Any], *,
-            address: str | None = None) -> tuple[list[FuzzResult], list[Share]]:
+            address: str | None = None) -> tuple[list[FuzzResult], list[Share], int]:
     """Run the shares of ``examples`` (over ``workers`` tasks, default: the
-    cluster's CPUs) as Ray tasks; their results and the shares, in order."""
+    cluster's CPUs) as Ray tasks; their results and the shares, in order,
+    and the workers asked for (the cluster's CPUs when ``workers`` is None)."""
     ray = import_ray()
     started = not ray.is_initialized()
     if started:
@@ -46,8 +48,11 @@ def run_ray(model: Any, examples: int, workers: int | None, seed: int, options: 
         try:
             ray.init(address=address, **kw)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            where = address or "a local instance"
-            raise UsageError("--ray", where, f"a Ray cluster to join or start ({type(exc).__name__}: "
+            # the value that failed: the address given (even ''), else RAY_ADDRESS, else the flag
+            what, where = (("--ray", address) if address is not None
+                           else ("RAY_ADDRESS", os.environ["RAY_ADDRESS"]) if os.environ.get("RAY_ADDRESS")
+                           else ("--ray (a local Ray instance)", True))
+            raise UsageError(what, where, f"a Ray cluster to join or start ({type(exc).__name__}: "
                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else '?'})") from None
     try:
         if workers is None:
@@ -67,7 +72,7 @@ def run_ray(model: Any, examples: int, workers: int | None, seed: int, options: 
                 cause = getattr(exc, "cause", None)  # a task's own exception
                 summary = _summary(cause) if isinstance(cause, BaseException) else None
                 raise FuzzWorkerError(share.worker, str(exc), summary) from None
-        return results, shares
+        return results, shares, workers
     finally:
         if started:
             ray.shutdown()
