@@ -745,3 +745,26 @@ def test_the_spool_copy_renames_ids_with_escapes_and_leaves_out_requests():
     out = io.StringIO()
     assert _copy_events(spool, 4, out, {'a"b': "P\u00e9", "x": 'q"'}, frozenset({"free"}), frozenset({"z"})) == (2, 2)
     assert [json.loads(line)["request"] for line in out.getvalue().splitlines()] == ["P\u00e9", 'q"']
+
+
+def test_names_to_rename_are_applied_to_the_spool_when_they_pile_up(tmp_path, monkeypatch):
+    """The table of D names still to rename stays bounded: beyond MAX_TRACKED entries the events
+    spooled so far are renamed at once; the history is the same."""
+    import pdproto.importers._base as base
+
+    text = ""
+    for i in range(5):
+        text += (_vllm(FINISHED.format(r=f"p{i}", s="FINISHED_LENGTH_CAPPED", p=P_PARAMS))
+                 + _vllm(f"Finished recving KV transfer for request d{i}")
+                 + _vllm(f"Finished sending KV transfer for request p{i}"))
+    for i in range(5):
+        text += _vllm(FINISHED.format(r=f"d{i}", s="FINISHED_STOPPED", p=D_PARAMS.replace("'p1'", f"'p{i}'")))
+    whole = imported("vllm", text=text, tmp_path=tmp_path)
+    monkeypatch.setattr(base, "MAX_TRACKED", 1)
+    renamed = []
+    spool_rename = base._Spool.rename
+    monkeypatch.setattr(base._Spool, "rename", lambda self, names: renamed.append(dict(names))
+                        or spool_rename(self, names))
+    piecewise = imported("vllm", text=text, tmp_path=tmp_path)
+    assert piecewise[1:] == whole[1:] and piecewise[0].events == whole[0].events == 25
+    assert len(renamed) == 2 and {e["request"] for e in piecewise[2]} == {f"p{i}" for i in range(5)}

@@ -361,7 +361,7 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
     """
     if out == "-":
         out = None
-    with _open_log(log) as fh, tempfile.TemporaryFile(mode="w+", encoding="utf-8") as spool:
+    with _open_log(log) as fh, _Spool() as spool:
         # The spool starts with a provisional header observing every kind the
         # engine can show, so the writer checks each event against it; the
         # final header (what this log showed) replaces that line.
@@ -372,21 +372,26 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         add_kind = written.add
         total = 0
         write = writer.write
+        renames = importer.renames
         try:
             for obj in importer.events(importer.lines_of(fh)):
                 add_kind(obj["ev"])
                 write(parse_event(obj, features, False, observed))
                 total += 1
+                if len(renames) > MAX_TRACKED:  # rename what is spooled so far: memory stays bounded
+                    spool.rename(renames)
+                    renames.clear()
         except OSError as exc:  # reading the log (or writing the spool) failed midway
             raise UsageError("LOG", log, f"a log that can be read to its end ({exc.strerror or exc})") from None
+        spooled = spool.file
         header = importer.header()
         keep = frozenset(header.observed.kinds)
         left_out = importer.left_out()
-        spool.seek(0)
-        spool.readline()
+        spooled.seek(0)
+        spooled.readline()
 
         def copy(stream: IO[str]) -> tuple[int, int]:
-            return _copy_events(spool, total, stream, importer.renames, keep if written - keep else None, left_out)
+            return _copy_events(spooled, total, stream, importer.renames, keep if written - keep else None, left_out)
 
         if out is None or not isinstance(out, str):
             stream = sys.stdout if out is None else out
@@ -409,6 +414,33 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         overlong=importer.overlong,
         dropped=dropped,
     )
+
+
+class _Spool:
+    """The temporary file the events go to, written through :attr:`write`;
+    :meth:`rename` replaces it by a copy with request ids renamed."""
+
+    def __init__(self) -> None:
+        self.file: IO[str] = tempfile.TemporaryFile(mode="w+", encoding="utf-8")
+        self.write = self.file.write
+
+    def rename(self, renames: Mapping[str, str]) -> None:
+        new: IO[str] = tempfile.TemporaryFile(mode="w+", encoding="utf-8")
+        try:
+            self.file.seek(0)
+            new.write(self.file.readline())
+            _copy_events(self.file, 0, new, renames, None, frozenset())
+        except BaseException:
+            new.close()
+            raise
+        self.file.close()
+        self.file, self.write = new, new.write
+
+    def __enter__(self) -> "_Spool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
 
 
 def _copy_events(spool: IO[str], total: int, stream: IO[str], renames: Mapping[str, str],
