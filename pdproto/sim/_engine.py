@@ -479,7 +479,7 @@ class _Sim:
     def release(self, inst: _Inst, blocks: list[int], r: _Req) -> None:
         if blocks:
             if self.ev_on:
-                self.emit(Free(inst.name, tuple(blocks), r.id, r.gen), r)
+                self.emit(Free.unchecked(inst.name, tuple(blocks), r.id, r.gen), r)
             inst.free.extend(blocks)
             blocks.clear()
             if inst.role == "decode":
@@ -582,7 +582,7 @@ class _Sim:
             self.push(max(r.cancel_at, self.now), _CANCEL, r)
         if cfg.arm == "pd":
             if self.ev_on:
-                self.emit(Submit(r.id, 0, r.plen, r.out), r)
+                self.emit(Submit.unchecked(r.id, 0, r.plen, r.out), r)
             need_p = _blocks_for(r.plen, self.bs)
             if need_p > self.P[0].nblocks or need_p + 1 > self.D[0].nblocks:
                 self.reject(r, "prompt larger than an instance's KV")
@@ -653,7 +653,7 @@ class _Sim:
             r.dblocks = self.alloc(d, need)  # type: ignore[assignment]
             r.ticket = f"t-{r.id}-{r.gen}"
             if self.ev_on:
-                self.emit(Reserve(r.id, r.gen, r.ticket, d.name, tuple(r.dblocks)), r)
+                self.emit(Reserve.unchecked(r.id, r.gen, r.ticket, d.name, tuple(r.dblocks)), r)
             p = min(self.P, key=lambda i: i.qtok)
             self.account(p)
             r.p = p
@@ -682,7 +682,7 @@ class _Sim:
         r.rejected = True
         self.faults["rejected"] += 1
         if self.ev_on:
-            self.emit(Fail(r.id, r.gen, "rejected: " + why), r)
+            self.emit(Fail.unchecked(r.id, r.gen, "rejected: " + why), r)
         self.done(r)
 
     def enter(self, r: _Req, phase: str) -> None:
@@ -704,7 +704,7 @@ class _Sim:
         self.faults["cancelled"] += 1
         pd = self.cfg.arm == "pd"
         if pd and self.ev_on:
-            self.emit(Cancel(r.id, r.gen, "client"), r)
+            self.emit(Cancel.unchecked(r.id, r.gen, "client"), r)
         st = r.state
         if st == _RQ:
             self.done(r)  # drain_rq skips it
@@ -725,10 +725,10 @@ class _Sim:
         elif st == _XFER:
             # abort, wait for the data plane to stop (here: at once), then free both ends
             if self.ev_on:
-                self.emit(TransferAbort(r.xid), r)
+                self.emit(TransferAbort.unchecked(r.xid), r)
             self.stop_transfer(r)
             if self.ev_on:
-                self.emit(TransferFailed(r.xid), r)
+                self.emit(TransferFailed.unchecked(r.xid), r)
             self.release(r.p, r.pblocks, r)
             self.release(r.d, r.dblocks, r)
             self.done(r)
@@ -747,7 +747,7 @@ class _Sim:
         """The request fails: it can never be served."""
         r.failed = True
         if self.ev_on:
-            self.emit(Fail(r.id, r.gen, why), r)
+            self.emit(Fail.unchecked(r.id, r.gen, why), r)
         self.done(r)
 
     def done(self, r: _Req) -> None:
@@ -827,7 +827,7 @@ class _Sim:
             if pd:
                 r.pblocks = blocks  # type: ignore[assignment]
                 if self.ev_on:
-                    self.emit(PrefillStart(r.id, r.gen, inst.name, tuple(blocks)), r)  # type: ignore[arg-type]
+                    self.emit(PrefillStart.unchecked(r.id, r.gen, inst.name, tuple(blocks)), r)  # type: ignore[arg-type]
             else:
                 r.dblocks = blocks  # type: ignore[assignment]
             r.state = _PRE
@@ -906,7 +906,7 @@ class _Sim:
             b = inst.free.pop()
             r.dblocks.append(b)
             if pd and self.ev_on:
-                self.emit(Alloc(r.id, r.gen, inst.name, (b,)), r)
+                self.emit(Alloc.unchecked(r.id, r.gen, inst.name, (b,)), r)
             nxt = inst.k + bs
             if nxt - r.j < r.out - r.produced:
                 self.want_block(inst, r, nxt)
@@ -926,7 +926,7 @@ class _Sim:
         self.leave(inst, r, inst.k - r.j)
         if inst.role == "decode":
             if self.ev_on:
-                self.emit(Fail(r.id, r.gen, "preempted"), r)
+                self.emit(Fail.unchecked(r.id, r.gen, "preempted"), r)
             self.release(inst, r.dblocks, r)
             self.new_generation(r)
         else:
@@ -950,7 +950,7 @@ class _Sim:
         self.faults["recomputed_tokens"] += r.plen
         r.will_fail = False
         if self.ev_on:
-            self.emit(Submit(r.id, r.gen, r.plen, r.out - r.produced), r)
+            self.emit(Submit.unchecked(r.id, r.gen, r.plen, r.out - r.produced), r)
         self.enqueue_rq(r, front=True)
 
     def decode_batch(self, inst: _Inst) -> float | None:
@@ -1130,12 +1130,12 @@ class _Sim:
                         continue
                     d = s - r.j
                     tok = r.produced + d
-                    self.emit(Decode(r.id, r.gen, inst.name, r.plen + d, tok, tok + 1, tuple(r.dblocks)), r)
+                    self.emit(Decode.unchecked(r.id, r.gen, inst.name, r.plen + d, tok, tok + 1, tuple(r.dblocks)), r)
             else:
                 for r in inst.first:
                     if r.state == _DEC and not r.cancelled:
                         tok = r.produced
-                        self.emit(Decode(r.id, r.gen, inst.name, r.plen, tok, tok + 1, tuple(r.dblocks)), r)
+                        self.emit(Decode.unchecked(r.id, r.gen, inst.name, r.plen, tok, tok + 1, tuple(r.dblocks)), r)
         inst.first.clear()
         ends = inst.ends.pop(s, None)
         if ends:
@@ -1145,7 +1145,7 @@ class _Sim:
                 self.leave(inst, r, s + 1 - r.j)
                 if pd:
                     if ev:
-                        self.emit(Finish(r.id, r.gen, "length"), r)
+                        self.emit(Finish.unchecked(r.id, r.gen, "length"), r)
                     self.release(inst, r.dblocks, r)
                 else:
                     self.drop(inst, r)
@@ -1173,11 +1173,11 @@ class _Sim:
             return
         self.first_token(r, self.now)
         if pd and self.ev_on:
-            self.emit(PrefillDone(r.id, r.gen, inst.name, r.produced, r.plen), r)
+            self.emit(PrefillDone.unchecked(r.id, r.gen, inst.name, r.produced, r.plen), r)
         if r.produced >= r.out:
             if pd:
                 if self.ev_on:
-                    self.emit(Finish(r.id, r.gen, "length"), r)
+                    self.emit(Finish.unchecked(r.id, r.gen, "length"), r)
                 self.release(inst, r.pblocks, r)
                 self.release(r.d, r.dblocks, r)
             else:
@@ -1200,7 +1200,7 @@ class _Sim:
         r.xid = f"x-{r.id}-{r.gen}"
         r.xready = self.now
         if self.ev_on:
-            self.emit(TransferStart(r.xid, r.ticket, r.id, r.gen, r.p.name, tuple(r.pblocks), r.d.name,
+            self.emit(TransferStart.unchecked(r.xid, r.ticket, r.id, r.gen, r.p.name, tuple(r.pblocks), r.d.name,
                                     tuple(r.dblocks)), r)
         nbytes = float(self.kv_tok * r.plen)
         eg = r.p.egress
@@ -1278,11 +1278,11 @@ class _Sim:
         ev = self.ev_on
         p, d = r.p, r.d
         if ev:
-            self.emit(TransferReadDone(r.xid), r)
+            self.emit(TransferReadDone.unchecked(r.xid), r)
         self.release(p, r.pblocks, r)
         if ev:
-            self.emit(TransferWriteDone(r.xid), r)
-            self.emit(Commit(r.id, r.gen, r.ticket, d.name), r)
+            self.emit(TransferWriteDone.unchecked(r.xid), r)
+            self.emit(Commit.unchecked(r.id, r.gen, r.ticket, d.name), r)
         self.account(d)
         self.join(d, r)
         if not d.busy:
@@ -1294,11 +1294,11 @@ class _Sim:
         ev = self.ev_on
         if timeout:
             if ev:
-                self.emit(TransferAbort(r.xid), r)
+                self.emit(TransferAbort.unchecked(r.xid), r)
             self.stop_transfer(r)
         if ev:
-            self.emit(TransferFailed(r.xid), r)
-            self.emit(Fail(r.id, r.gen, "transfer timeout" if timeout else "transfer failed"), r)
+            self.emit(TransferFailed.unchecked(r.xid), r)
+            self.emit(Fail.unchecked(r.id, r.gen, "transfer timeout" if timeout else "transfer failed"), r)
         self.release(r.p, r.pblocks, r)
         self.release(r.d, r.dblocks, r)
         # the first token of this generation was delivered; the retry recomputes it with the prompt
