@@ -206,3 +206,16 @@ def test_regenerated_catalogue_matches(tmp_path):
     assert text == open(BUGS, encoding="utf-8").read()
     shipped = cat.load_expected()
     assert cat.load_expected(str(tmp_path)) == shipped
+
+
+def test_whole_corpus_on_the_reference_and_a_leaky_adapter(capsys):
+    """The reference, as an adapter, reproduces no bug of the corpus (it
+    refuses the buggy steps, then goes quiet cleanly); an adapter with a leak
+    bug reproduces its own leak after re-enacting its counterexample."""
+    rc, out = _cli(["corpus", "--adapter", "model:reference", "--json"], capsys)
+    obj = json.loads(out.out)
+    assert rc == 0 and obj["failed"] == 0 and obj["ran"] == obj["histories"]
+    rc, out = _cli(["corpus", "--adapter", "model:abort_ignored_after_handoff", "--json"], capsys)
+    failed = [c for c in json.loads(out.out)["cases"] if not c["ok"]]
+    assert rc == 1 and [c["history"] for c in failed] == ["abort_ignored_after_handoff.jsonl"]
+    assert failed[0]["got"].startswith("leak")
