@@ -41,3 +41,14 @@ MUTANTS = sorted(
     os.path.basename(p)[:-3] for p in __import__("glob").glob(os.path.join(ROOT, "models", "*.py"))
     if not os.path.basename(p).startswith("_") and "EXPECTED = None" not in open(p, encoding="utf-8").read()
 )
+
+
+def verdicts(result):
+    """A replay's violations as (invariant, line, message), to compare transports."""
+    return [(v.invariant, v.line, v.message) for v in result.violations]
+
+
+def delta(t, before, *keys):
+    """How much each statistic of transport ``t`` grew since the snapshot ``before``."""
+    now = t.statistics()
+    return {k: getattr(now, k) - getattr(before, k) for k in keys}

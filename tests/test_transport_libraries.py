@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import EXAMPLES, MUTANTS  # noqa: E402
+from conftest import EXAMPLES, MUTANTS, delta, verdicts  # noqa: E402
 
 from pdproto.backends._transport import BlockMove, Transfer  # noqa: E402
 from pdproto.drivers._replay import replay  # noqa: E402
@@ -56,14 +56,6 @@ def transport(request):
     yield t
     t.close()
 
-
-def verdicts(result):
-    return [(v.invariant, v.line, v.message) for v in result.violations]
-
-
-def delta(t, before, *keys):
-    now = t.statistics()
-    return {k: getattr(now, k) - getattr(before, k) for k in keys}
 
 
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=os.path.basename)

@@ -17,7 +17,7 @@ try:
 except ImportError:
     pytest.importorskip("nixl._api")
 
-from conftest import EXAMPLES  # noqa: E402
+from conftest import EXAMPLES, delta, verdicts  # noqa: E402
 
 from pdproto import (  # noqa: E402
     Commit,
@@ -49,14 +49,6 @@ def nixl():
     yield t
     t.close()
 
-
-def verdicts(result):
-    return [(v.invariant, v.line, v.message) for v in result.violations]
-
-
-def delta(t, before, *keys):
-    now = t.statistics()
-    return {k: getattr(now, k) - getattr(before, k) for k in keys}
 
 
 # -- the library's signals -------------------------------------------------------------------
