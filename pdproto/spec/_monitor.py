@@ -1289,6 +1289,8 @@ class Monitor:
         writing = self._writing
         block_ticket = self._block_ticket
         request, gen = ev.request, ev.gen
+        named_key = (request, gen)  # the owner a free naming its generation expects (the common case)
+        ticket_left = self._ticket_left
         free_lines = None
         for b in self._capacity(ev, worker, ev.blocks, line):
             wb = (worker, b)
@@ -1302,7 +1304,9 @@ class Monitor:
                 self._bad_free(ev, line, b, f"free of block {b} on {worker!r}, which is {why}",
                                self._block_line("free", wb))
                 continue
-            if request is not None and (held[0] != request or (gen is not None and held[1] != gen)):
+            if held != named_key and request is not None and (
+                held[0] != request or (gen is not None and held[1] != gen)
+            ):
                 named = request if gen is None else _fmt_gen((request, gen))
                 self._bad_free(ev, line, b, f"free of block {b} on {worker!r} for {named}, but "
                                f"{_fmt_gen(held)} owns it", self._block_line("alloc", wb))
@@ -1315,7 +1319,14 @@ class Monitor:
                 if writers:
                     early_write.setdefault((held, writers), []).append(b)
             if block_ticket:
-                self._release_ticket_block(wb)
+                # what _release_ticket_block does, inline (the hot path)
+                ticket = block_ticket.pop(wb, None)
+                if ticket is not None:
+                    left = ticket_left.get(ticket, 0) - 1
+                    if left > 0:
+                        ticket_left[ticket] = left
+                    else:
+                        self._close_ticket(ticket)
             if free_lines is None:
                 free_lines = self._block_lines("free", worker)
             free_lines[b] = line
