@@ -50,7 +50,7 @@ __all__ = ["MooncakeTransport", "load_mooncake"]
 def load_mooncake() -> Any:
     """``mooncake.engine``; a :class:`~pdproto.MissingExtraError` naming the
     ``mooncake`` extra when it is not installed, a
-    :class:`~pdproto.backends._transport.TransportError` with the loader's
+    :class:`~pdproto.TransportError` with the loader's
     text when it is installed but cannot load (a missing system library)."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("GLOG_minloglevel", "2")
