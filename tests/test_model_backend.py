@@ -319,8 +319,7 @@ def test_import_pdproto_imports_no_transformers():
 # -- mutants --------------------------------------------------------------------------------
 
 
-MUTANTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "models", "*.py"))
-                 if os.path.basename(p) not in ("__init__.py", "reference.py"))
+from conftest import MUTANTS  # noqa: E402  (the catalogue entries with an expected finding)
 
 
 def _counterexample(name: str, tmp_path) -> str:
@@ -398,10 +397,19 @@ def test_mutants_that_corrupt_data_show_it_under_the_model(name, tmp_path):
         [(v.invariant, v.line) for v in r.violations if v.invariant != LOGIT_DIVERGENCE]
     longer = continue_decoding(path, os.path.join(tmp_path, name + ".more.jsonl"))
     more = replay(longer, model="tiny-llama")
-    if "kv-corruption" in _ids(more):
+    with open_history(longer) as reader:
+        kinds = {line: e.EV for line, e in reader}
+    corrupt = [v.line for v in more.violations if v.invariant == "kv-corruption"]
+    # a write that lands after the corruption was seen and before the first decode heals
+    # it (a commit before the write finished, notify_sent_when_write_posted): decode then
+    # reads the right KV
+    healed = corrupt and any(
+        kinds[line] == "transfer_write_done"
+        for line in range(corrupt[0] + 1, min(ln for ln, k in kinds.items() if k == "decode")))
+    if corrupt and not healed:
         # decoding on from the corrupted KV: the logits show it too
         assert _div(more), more.violations
-    else:  # clean data stays bit-exact
+    else:  # clean (or healed) data stays bit-exact
         assert not _div(more), more.violations
 
 
