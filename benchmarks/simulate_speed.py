@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 
 from pdproto.sim import SimConfig, simulate
@@ -48,6 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     n = args.requests or (1000 if args.quick else 10_000)
     pd = SimConfig(arm="pd", n_p=2, n_d=2, devices=4, block_size=args.block_size)
+    load = os.getloadavg()[0]
     runs = [measure(n, pd, True, args.rate) for _ in range(max(1, args.repeat))]
     speed, wall, res, _ = max(runs, key=lambda r: r[0])
     cpu = max(r[3] for r in runs)
@@ -61,7 +63,8 @@ def main() -> None:
     for arm in ("colocated", "chunked"):
         s, w, _, c = measure(n, SimConfig(arm=arm, devices=4, block_size=args.block_size), False, args.rate)
         print(f"{arm:9} 4 devices   : {s:8,.0f} simulated requests / wall s, {c:8,.0f} / CPU s  ({w:.2f} s)")
-    print("(wall and CPU differ when other processes share the cores; the target is wall time on an idle machine)")
+    print(f"(load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; wall and CPU differ when "
+          "other processes share the cores; the target is wall time on an idle machine)")
     verdict = "meets" if speed >= TARGET else "MISSES"
     print(f"target {TARGET:,.0f} req/s (PD, monitor on, 10,000 requests): {verdict} it")
 
