@@ -65,8 +65,11 @@ def main() -> None:
         print(f"{arm:9} 4 devices   : {s:8,.0f} simulated requests / wall s, {c:8,.0f} / CPU s  ({w:.2f} s)")
     print(f"(load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; wall and CPU differ when "
           "other processes share the cores; the target is wall time on an idle machine)")
-    verdict = "meets" if speed >= TARGET else "MISSES"
-    print(f"target {TARGET:,.0f} req/s (PD, monitor on, 10,000 requests): {verdict} it")
+    if n == 10_000:
+        verdict = "meets" if speed >= TARGET else "MISSES"
+        print(f"target {TARGET:,.0f} req/s (PD, monitor on, 10,000 requests): {verdict} it")
+    else:
+        print(f"(the target, {TARGET:,.0f} req/s, is for 10,000 requests; this run had {n:,})")
 
 
 if __name__ == "__main__":
