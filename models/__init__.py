@@ -19,8 +19,10 @@ Each module defines:
   bug needs, from :data:`pdproto.protocol.FAULT_KINDS`), optionally
   ``PHASE`` (lower-case phase the fault hits; for a cancel bug, the phase
   the cancel hits), ``BENIGN = True`` for a legal variant that every tool
-  must pass, and ``FAMILIES`` for a correct model checked in several
-  families (the reference).
+  must pass, ``FAMILIES`` for a correct model checked in several
+  families (the reference), and optionally ``CAVEAT`` (a string: when the
+  verdict holds only by the model's construction or configuration, e.g. a
+  real hold that a timeout the model lacks would bound; docs/bugs.md shows it).
 
 A mutant is the reference with one named rule replaced
 (``REFERENCE.replace("rule", guard=..., effect=..., phases=...)``).

@@ -52,7 +52,8 @@ def test_bugs_md_rows_match_the_contract_fields(entries):
     for e, r in zip(rows, table):
         assert r["family"] == e.family, e.row
         assert r["project"] == e.project, e.row
-        assert r["bug"] == e.summary.replace("|", "\\|"), e.row
+        bug = e.summary + (f" *Caveat:* {e.caveat}" if e.caveat else "")
+        assert r["bug"] == bug.replace("|", "\\|"), e.row
         for url in e.links:
             assert f"({url})" in r["link"], (e.row, url)
         if e.expected is None:
