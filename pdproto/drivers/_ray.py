@@ -78,7 +78,10 @@ def _by_value(model: Any) -> None:
     except ImportError:  # pragma: no cover - Ray without its cloudpickle
         return
     name = getattr(type(model), "__module__", "") or ""
-    if name.startswith(("pdproto.", "builtins")) or name == "pdproto":
+    # pdproto's own modules import by name in the actors; the catalogue may not:
+    # run from a checkout, the loader loads the repository's models/ as
+    # pdproto.models, which a fresh process finds nowhere (pdproto/ has no models/)
+    if (name.startswith(("pdproto.", "builtins")) or name == "pdproto") and not name.startswith("pdproto.models."):
         return
     mod = sys.modules.get(name)
     if mod is not None:
