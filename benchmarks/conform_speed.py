@@ -13,6 +13,7 @@ the benchmark times :func:`pdproto.conform` on it.
 
     python benchmarks/conform_speed.py                     # 100,000 events, 300 concurrent
     python benchmarks/conform_speed.py --events 20000 --concurrent 100
+    python benchmarks/conform_speed.py --quick             # 10,000 events, 50 concurrent (CI)
 
 Target (issue 14): at least 100,000 events with hundreds of concurrent
 requests, on this 2-core machine.
@@ -152,7 +153,10 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=300)
     ap.add_argument("--policy", choices=("push", "pull"), default="push")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="10,000 events, 50 concurrent (CI's smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.events, args.concurrent = 10_000, 50
     from pdproto import conform
 
     header, events = history(args.events, args.concurrent, args.seed, policy=args.policy)

@@ -173,7 +173,10 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the 100,000-line run the memory is compared with")
+    parser.add_argument("--quick", action="store_true", help="20,000 lines only (CI's smoke run)")
     args = parser.parse_args()
+    if args.quick:
+        args.lines, args.no_baseline = 20_000, True
     runs = [args.lines] if args.no_baseline or args.lines <= 100_000 else [100_000, args.lines]
     for lines in runs:
         r = measure(lines)
