@@ -1290,7 +1290,6 @@ class Monitor:
         block_ticket = self._block_ticket
         request, gen = ev.request, ev.gen
         named_key = (request, gen)  # the owner a free naming its generation expects (the common case)
-        ticket_left = self._ticket_left
         free_lines = None
         for b in self._capacity(ev, worker, ev.blocks, line):
             wb = (worker, b)
@@ -1319,14 +1318,7 @@ class Monitor:
                 if writers:
                     early_write.setdefault((held, writers), []).append(b)
             if block_ticket:
-                # what _release_ticket_block does, inline (the hot path)
-                ticket = block_ticket.pop(wb, None)
-                if ticket is not None:
-                    left = ticket_left.get(ticket, 0) - 1
-                    if left > 0:
-                        ticket_left[ticket] = left
-                    else:
-                        self._close_ticket(ticket)
+                self._release_ticket_block(wb)
             if free_lines is None:
                 free_lines = self._block_lines("free", worker)
             free_lines[b] = line
