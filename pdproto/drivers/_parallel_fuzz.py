@@ -46,6 +46,7 @@ import attrs
 from .._errors import PdprotoError, UsageError
 from ..spec._history import write_history
 from ._fuzz import PHASE_NAMES, FuzzResult, FuzzStats, HandoffFailure, fuzz_serial, reachable_states
+from ._parallel_shard import portable, rebuilt
 
 
 class FuzzWorkerError(PdprotoError):
@@ -122,23 +123,10 @@ def plan(examples: int, workers: int, seed: int) -> list[Share]:
     return [Share(i, n, worker_seed(seed, i)) for i, n in enumerate(split_examples(examples, workers)) if n]
 
 
-def portable(model: Any) -> Any:
-    """What to send to another interpreter for ``model``: ``("build",
-    class, config)`` for a :class:`~pdproto.HandoffModel` (or a subclass
-    that keeps its constructor), whose caches are keyed by object identity
-    and do not survive pickling; ``("model", model)`` otherwise."""
-    from ..protocol._reference import HandoffModel
-
-    if isinstance(model, HandoffModel) and type(model).__init__ is HandoffModel.__init__:
-        return ("build", type(model), model.config)
-    return ("model", model)
-
-
 def run_share(model: Any, share: Share, options: dict[str, Any]) -> FuzzResult:
     """Fuzz ``model`` (or what :func:`portable` made of it) for one share:
     what a worker process or Ray task runs."""
-    if isinstance(model, tuple) and model and model[0] in ("build", "model"):
-        model = model[1](model[2]) if model[0] == "build" else model[1]
+    model = rebuilt(model)
     # seeded, and still on the shared database (a serial seeded run is not)
     return fuzz_serial(model, examples=share.examples, seed=share.seed, stats=FuzzStats(),
                        seeded_database=True, **options)

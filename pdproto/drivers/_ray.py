@@ -23,7 +23,7 @@ import sys
 from typing import Any, Callable
 
 from .._errors import MissingExtraError, PdprotoError
-from ._parallel_shard import Shard, hash_seed_env
+from ._parallel_shard import Shard, hash_seed_env, portable, rebuilt
 
 
 def import_ray() -> Any:
@@ -41,9 +41,7 @@ class _ShardActor:
     def __init__(self, model: Any, template: Any, wid: int, n: int, opts: dict[str, Any]) -> None:
         gc.freeze()
         gc.disable()  # as in the serial search: states are acyclic tuples
-        if isinstance(model, tuple) and len(model) == 3 and model[0] == "build":
-            model = model[1](model[2])
-        self.shard = Shard(model, template, wid, n, **opts)
+        self.shard = Shard(rebuilt(model), template, wid, n, **opts)
         self.n = n
 
     def call(self, name: str, *args: Any) -> Any:
@@ -57,17 +55,6 @@ class _ShardActor:
         import ray
 
         return self.shard.merge(ray.get(refs) if refs else [])
-
-
-def _shipped(model: Any) -> Any:
-    """What an actor is sent for ``model``: a handoff model as ``("build",
-    class, configuration)`` (its rule tables hold caches keyed by object
-    identity, which do not survive pickling), any other model as itself."""
-    from ..protocol._reference import HandoffModel
-
-    if isinstance(model, HandoffModel) and type(model).__init__ is HandoffModel.__init__:
-        return ("build", type(model), model.config)
-    return model
 
 
 def _by_value(model: Any) -> None:
@@ -111,7 +98,7 @@ class RayPool:
         _by_value(model)
         actor = ray.remote(num_cpus=1)(_ShardActor)
         env = {"env_vars": hash_seed_env()}
-        shipped = ray.put(_shipped(model))
+        shipped = ray.put(portable(model))
         self.actors = [actor.options(runtime_env=env).remote(shipped, template, wid, n, opts) for wid in range(n)]
         self.pending: list[list] = [[] for _ in range(n)]
 
