@@ -29,7 +29,12 @@ Bytes per state, two measures:
 Parallel (docs/scaling.md): serial, ``workers=2`` and Ray with 2 actors on
 the same configuration (toy 4x31, 1,048,576 states, and the reference
 model), each in a fresh process, as states/s and speed-up over serial, with
-the machine's load average (a shared machine gives no clean figure).  For a
+the machine's load average (a shared machine gives no clean figure).  Then
+two whole serial searches of the same configuration at once, in two
+processes: they share nothing but the hardware, so their joint states/s over
+one serial search's is the machine's ceiling for any 2-process search
+(caches and memory bandwidth are shared; a dict-heavy search slows down
+when another runs beside it).  For a
 parallel run the RSS is that of the worker processes together (peak growth
 after the seed / states).  Then one search of more than 10 million states in
 fingerprint mode (toy 4x56: 57**4 = 10,556,001 states) on 2 workers, with
@@ -128,6 +133,17 @@ def measure(spec: dict) -> dict:
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def side_by_side(spec: dict, copies: int = 2) -> list[dict]:
+    """``copies`` serial searches of ``spec`` at once, each in its own fresh
+    process: how fast the machine runs that many searches together."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(copies)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"a side-by-side search failed: {[p.returncode for p in procs]}")
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 
 def mem_row(label: str, m: dict) -> None:
@@ -241,6 +257,14 @@ def parallel(quick: bool) -> None:
             mem_row(f"{model} {label}", m)
             print(f"  {'':<38} speed-up {ratio:.2f}x over serial; same states and verdict: {same}; "
                   f"load now {os.getloadavg()[0]:.2f}", flush=True)
+        # the machine's ceiling for 2 workers: two whole serial searches at
+        # once share nothing but the hardware (caches, memory bandwidth), so
+        # their joint states/s bounds what any 2-process search can reach here
+        pair = side_by_side({"model": model, "fingerprint": False, **extra})
+        joint = sum(p["states"] for p in pair) / max(p["seconds"] for p in pair)
+        each = ", ".join(f"{p['sps'] / base['sps']:.2f}x" for p in pair)
+        print(f"  {model + ' 2 serial searches at once':<38} {joint:>10,.0f} states/s together: the machine's "
+              f"ceiling for 2 workers is {joint / base['sps']:.2f}x serial (each ran at {each})", flush=True)
     if quick:
         return
     m = measure({"model": "toy", "config": [4, 56], "fingerprint": True, "workers": 2})
