@@ -28,7 +28,8 @@ Bytes per state, two measures:
 
 Parallel (docs/scaling.md): serial, ``workers=2`` and Ray with 2 actors on
 the same configuration (toy 4x31, 1,048,576 states, and the reference
-model), each in a fresh process, as states/s and speed-up over serial, with
+model, default configuration and pull with 3 blocks: 1,747,255 states), each
+in a fresh process, as states/s and speed-up over serial, with
 the machine's load average (a shared machine gives no clean figure).  Then
 two whole serial searches of the same configuration at once, in two
 processes: they share nothing but the hardware, so their joint states/s over
@@ -242,9 +243,11 @@ def parallel(quick: bool) -> None:
     load = os.getloadavg()
     print(f"parallel search, {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
           "(1/5/15 min; a busy machine lowers the parallel figures):")
-    configs = [("toy", {"config": [3, 9]})] if quick else [
-        ("toy", {"config": [4, 31]}), ("reference", {"config": {}, "symmetry": True})]
-    for model, extra in configs:
+    configs = [("toy", "toy", {"config": [3, 9]})] if quick else [
+        ("toy", "toy", {"config": [4, 31]}), ("reference", "reference", {"config": {}, "symmetry": True}),
+        # the reference at 1M+ states: pull, 3 blocks a worker (1,747,255 states; minutes a run)
+        ("ref pull 3 blocks", "reference", {"config": {"policy": "pull", "blocks": 3}, "symmetry": True})]
+    for name, model, extra in configs:
         runs = [("serial", {}), ("workers=2", {"workers": 2})]
         if not quick and _ray_available():
             runs.append(("ray, 2 actors", {"workers": 2, "ray": True}))
@@ -254,7 +257,7 @@ def parallel(quick: bool) -> None:
             base = base or m
             ratio = m["sps"] / base["sps"] if base["sps"] else float("nan")
             same = (m["states"] == base["states"] and m["ok"] == base["ok"])
-            mem_row(f"{model} {label}", m)
+            mem_row(f"{name} {label}", m)
             print(f"  {'':<38} speed-up {ratio:.2f}x over serial; same states and verdict: {same}; "
                   f"load now {os.getloadavg()[0]:.2f}", flush=True)
         # the machine's ceiling for 2 workers: two whole serial searches at
@@ -263,7 +266,7 @@ def parallel(quick: bool) -> None:
         pair = side_by_side({"model": model, "fingerprint": False, **extra})
         joint = sum(p["states"] for p in pair) / max(p["seconds"] for p in pair)
         each = ", ".join(f"{p['sps'] / base['sps']:.2f}x" for p in pair)
-        print(f"  {model + ' 2 serial searches at once':<38} {joint:>10,.0f} states/s together: the machine's "
+        print(f"  {name + ' 2 serial searches at once':<38} {joint:>10,.0f} states/s together: the machine's "
               f"ceiling for 2 workers is {joint / base['sps']:.2f}x serial (each ran at {each})", flush=True)
     if quick:
         return
