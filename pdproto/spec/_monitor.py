@@ -1287,22 +1287,28 @@ class Monitor:
         shared = self._shared
         reading = self._reading
         writing = self._writing
-        block_ticket = self._block_ticket
+        # each block's ticket is released at the end, once per ticket with the
+        # count of its blocks freed here (what one release per block comes to:
+        # nothing in between reads a ticket's count)
+        bt_pop = self._block_ticket.pop if self._block_ticket else None
+        released: dict[str, int] | None = None
         request, gen = ev.request, ev.gen
         named_key = (request, gen)  # the owner a free naming its generation expects (the common case)
         free_lines = None
+        pop = owner.pop
         for b in self._capacity(ev, worker, ev.blocks, line):
             wb = (worker, b)
-            held = owner.pop(wb, None)  # (released below whatever the checks find)
-            if held is None and shared and wb in shared:
-                held = self._free_shared(ev, wb, line)
-                if held is None:
-                    continue  # other owners still hold it, or a bad free changed nothing
-            elif held is None:
-                why = "quarantined after a restart" if wb in self._quarantine else "not owned"
-                self._bad_free(ev, line, b, f"free of block {b} on {worker!r}, which is {why}",
-                               self._block_line("free", wb))
-                continue
+            held = pop(wb, None)  # (released below whatever the checks find)
+            if held is None:
+                if shared and wb in shared:
+                    held = self._free_shared(ev, wb, line)
+                    if held is None:
+                        continue  # other owners still hold it, or a bad free changed nothing
+                else:
+                    why = "quarantined after a restart" if wb in self._quarantine else "not owned"
+                    self._bad_free(ev, line, b, f"free of block {b} on {worker!r}, which is {why}",
+                                   self._block_line("free", wb))
+                    continue
             if held != named_key and request is not None and (
                 held[0] != request or (gen is not None and held[1] != gen)
             ):
@@ -1317,11 +1323,26 @@ class Monitor:
                 writers = writing.get(wb)
                 if writers:
                     early_write.setdefault((held, writers), []).append(b)
-            if block_ticket:
-                self._release_ticket_block(wb)
+            if bt_pop is not None:
+                ticket = bt_pop(wb, None)
+                if ticket is not None:
+                    if released is None:
+                        released = {ticket: 1}
+                    else:
+                        released[ticket] = released.get(ticket, 0) + 1
             if free_lines is None:
                 free_lines = self._block_lines("free", worker)
             free_lines[b] = line
+        if released is not None:
+            ticket_left = self._ticket_left
+            for ticket, n in released.items():
+                left = ticket_left.get(ticket, 0) - n
+                if left > 0:
+                    ticket_left[ticket] = left
+                else:
+                    self._close_ticket(ticket)
+        if not (early_read or early_write):
+            return
         for invariant, found, verb in (
             ("early-source-free", early_read, "read"),
             ("early-target-reuse", early_write, "write into"),
