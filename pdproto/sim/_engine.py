@@ -807,7 +807,8 @@ class _Sim:
 
     def start_step(self, inst: _Inst) -> None:
         """Start the next step of an idle instance, if it has work."""
-        self.account(inst)
+        if inst.last < self.now:  # (a step that just ended has been accounted)
+            self.account(inst)
         role = inst.role
         if role == "decode":
             dur = self.decode_batch(inst)
