@@ -79,6 +79,27 @@ def test_workers_give_the_serial_answers(name, config):
     assert signature(explore(model, stop_on_first=False, symmetry=False, workers=3)) == signature(plain)
 
 
+def test_workers_without_the_monitor():
+    # --no-monitor --workers 2 failed: a batch looked up the monitor key of id 0, which there is none of
+    model, _ = load_model(None, policy="push", requests=1)
+    serial = explore(model, monitor=False, stop_on_first=False)
+    par = explore(model, monitor=False, stop_on_first=False, workers=2)
+    assert signature(par) == signature(serial) and par.states > 100
+
+
+def test_symmetry_duplicates_keep_verdicts_and_depths():
+    # the reference's canonical form ignores the blocks ended transfers used, which the monitor
+    # remembers: two states of one class can stay apart, depending on the order of discovery
+    model, _ = load_model(None, policy="pull", faults={"cancel": 1}, blocks=2)
+    serial = explore(model, stop_on_first=False)
+    par = explore(model, stop_on_first=False, workers=2)
+    same = signature(serial, False)
+    del same["states"], same["transitions"]
+    got = signature(par, False)
+    del got["states"], got["transitions"]
+    assert got == same and par.states >= serial.states
+
+
 def test_first_counterexample_has_the_serial_length():
     model, _ = load_model("abort-frees-shared-prefix")
     serial = explore(model)

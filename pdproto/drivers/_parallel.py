@@ -11,8 +11,12 @@ through the object store).
 
 The result equals the serial search's on a search that runs to its end:
 the same states, transitions, depth, deadlocks, unmet ``sometimes``
-properties, monitor states, and for each invariant a counterexample of the
-same (shortest) length.  A search that stops early stops at the end of a
+properties, and for each invariant a counterexample of the same (shortest)
+length.  Under a symmetry reduction that leaves two states of one class
+apart (the reference's, where the monitor remembers the blocks of ended
+transfers), which duplicates survive depends on the order of discovery, so
+state counts can differ a little; verdicts and depths cannot
+(docs/scaling.md, "The same answers").  A search that stops early stops at the end of a
 level: at its first counterexample (with ``stop_on_first``; the shallowest
 finding is reported, of the same length as the serial search's), or once
 ``max_states`` or ``max_seconds`` is passed; its counts are those of the
@@ -271,7 +275,7 @@ def _result(model: Any, header: HistoryHeader, template: Monitor | None, pool: A
             memory[k] = memory.get(k, 0) + v
     states = sum(fin["states"] for fin in finals)
     bps = sum(memory.values()) / states if states else None
-    monitor_states = len(set().union(*(fin["monitor_keys"] for fin in finals))) if template is not None else 1
+    monitor_states = len(set().union(*(fin["monitor_keys"] for fin in finals))) if template is not None else 0
     memory["peak_frontier_entries"] = run.peak_frontier
     memory["monitor_states"] = monitor_states
     memory["workers"] = n

@@ -189,7 +189,7 @@ class Shard:
             if blob is None:
                 continue
             table, states, smids, pgids, ais, bads, cstates, rmids = pickle.loads(blob)
-            mids = {smid: intern(k) for smid, k in table.items()}
+            mids = {smid: intern(k) for smid, k in table.items()} if table else {0: 0}
             if cstates is not None:  # canonical states and renamed monitor ids along
                 canon_key = self.canon_key
                 for j, nstate in enumerate(states):
@@ -383,7 +383,8 @@ class _Batch:
         used = set(self.mids)
         if self.rmids is not None:
             used.update(self.rmids)
-        table = {mid: mkeys[mid] for mid in used}
+        # (no monitor, no keys: every monitor id is 0)
+        table = {mid: mkeys[mid] for mid in used} if mkeys else {}
         return pickle.dumps((table, self.states, self.mids, self.pgids, self.ais, self.bads, self.cstates, self.rmids),
                             protocol=pickle.HIGHEST_PROTOCOL)
 
