@@ -28,7 +28,7 @@ Bytes per state, two measures:
 
 Parallel (docs/scaling.md): serial, ``workers=2`` and Ray with 2 actors on
 the same configuration (toy 4x31, 1,048,576 states, and the reference
-model, default configuration and pull with 3 blocks: 1,747,255 states), each
+model, default configuration and pull with 3 blocks: 1,712,927 states), each
 in a fresh process, as states/s and speed-up over serial, with
 the machine's load average (a shared machine gives no clean figure).  Then
 two whole serial searches of the same configuration at once, in two
@@ -245,7 +245,7 @@ def parallel(quick: bool) -> None:
           "(1/5/15 min; a busy machine lowers the parallel figures):")
     configs = [("toy", "toy", {"config": [3, 9]})] if quick else [
         ("toy", "toy", {"config": [4, 31]}), ("reference", "reference", {"config": {}, "symmetry": True}),
-        # the reference at 1M+ states: pull, 3 blocks a worker (1,747,255 states; minutes a run)
+        # the reference at 1M+ states: pull, 3 blocks a worker (1,712,927 states serial; minutes a run)
         ("ref pull 3 blocks", "reference", {"config": {"policy": "pull", "blocks": 3}, "symmetry": True})]
     for name, model, extra in configs:
         runs = [("serial", {}), ("workers=2", {"workers": 2})]
