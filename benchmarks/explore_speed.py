@@ -258,7 +258,10 @@ def parallel(quick: bool) -> None:
             ratio = m["sps"] / base["sps"] if base["sps"] else float("nan")
             same = (m["states"] == base["states"] and m["ok"] == base["ok"])
             mem_row(f"{name} {label}", m)
-            print(f"  {'':<38} speed-up {ratio:.2f}x over serial; same states and verdict: {same}; "
+            wall = "" if m["states"] == base["states"] else (
+                f" ({base['seconds'] / m['seconds']:.2f}x in wall time: the counts differ, docs/scaling.md "
+                f"'The same answers')")
+            print(f"  {'':<38} speed-up {ratio:.2f}x over serial{wall}; same states and verdict: {same}; "
                   f"load now {os.getloadavg()[0]:.2f}", flush=True)
         # the machine's ceiling for 2 workers: two whole serial searches at
         # once share nothing but the hardware (caches, memory bandwidth), so
