@@ -168,7 +168,7 @@ def test_markup_in_a_file_name_prints_literally(capsys, tmp_path):
     path = write(tmp_path, "[bold]h.jsonl", jl(SUBMIT))
     code, out, err = run(capsys, "audit", path)
     assert code == 0, err
-    assert "[bold]h.jsonl" in out
+    assert "[bold]h.jsonl" in out.replace("\n", "")  # (a long temporary path wraps the line)
 
 
 # the reader on its own: the line cap and the chunks
