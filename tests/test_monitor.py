@@ -170,6 +170,20 @@ def test_commit_before_ready():
     assert only(violations).invariant == "commit-before-ready"
 
 
+def test_a_transfer_that_reads_no_source_block_makes_nothing_ready():
+    # a landed transfer with src_blocks [] and target blocks named used to count as moving the whole prompt
+    empty = replace(push_handoff(), "transfer_start",
+                    ("transfer_start", TransferStart("x-r1-0", "t-r1-0", "r1", 0, "P0", (), "D0", (0, 1))))
+    violations, lines = run(empty[:6] + empty[7:9])
+    v = only(violations)
+    assert (v.invariant, v.line) == ("commit-before-ready", lines["commit"])
+    assert "'x-r1-0' read no source block" in v.message
+    # with a block size (format 1.1) too
+    mon = Monitor(policy="push", block_size=4)
+    found = [x.invariant for _label, ev in empty[:6] + empty[7:9] for x in mon.feed(ev)]
+    assert found == ["commit-before-ready"]
+
+
 def test_commit_before_ready_when_source_lost_to_restart():
     entries = push_handoff()[:5] + [
         ("restart", Restart("P0", 1)),

@@ -1019,7 +1019,8 @@ class Monitor:
         landed: list[str] = []  # landed transfers that may cover only part of the KV
         for tid in tids:
             t = self._transfers[tid]
-            if t.dst == ev.worker and t.write_done and not t.failed and not t.lost:
+            if t.dst == ev.worker and t.write_done and not t.failed and not t.lost and t.src_blocks:
+                # (a transfer that reads no source block moves no KV, whatever it names as targets)
                 if t.layers is None and t.tokens is None and self.block_size is None:
                     ready = True  # version 1: a whole transfer moves everything
                     break
@@ -1066,6 +1067,8 @@ class Monitor:
             return f"{tid!r} lost its source or target to a restart"
         if t.dst != worker:
             return f"{tid!r} writes into {t.dst!r}"
+        if t.write_done and not t.src_blocks:
+            return f"{tid!r} read no source block"
         return f"{tid!r} has not finished writing"
 
     def _readiness_gap(
