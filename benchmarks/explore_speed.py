@@ -130,17 +130,19 @@ def _child(spec: dict) -> dict:
     }
 
 
+def _child_cmd(spec: dict) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+
+
 def measure(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(_child_cmd(spec), capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def side_by_side(spec: dict, copies: int = 2) -> list[dict]:
     """``copies`` serial searches of ``spec`` at once, each in its own fresh
     process: how fast the machine runs that many searches together."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(copies)]
+    procs = [subprocess.Popen(_child_cmd(spec), stdout=subprocess.PIPE, text=True) for _ in range(copies)]
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"a side-by-side search failed: {[p.returncode for p in procs]}")

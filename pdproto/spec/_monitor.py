@@ -739,9 +739,12 @@ class Monitor:
 
     def _release_ticket_block(self, wb: tuple[str, int]) -> None:
         ticket = self._block_ticket.pop(wb, None)
-        if ticket is None:
-            return
-        left = self._ticket_left.get(ticket, 0) - 1
+        if ticket is not None:
+            self._release_ticket(ticket, 1)
+
+    def _release_ticket(self, ticket: str, n: int) -> None:
+        """``n`` of the ticket's blocks left it; the last one closes it."""
+        left = self._ticket_left.get(ticket, 0) - n
         if left > 0:
             self._ticket_left[ticket] = left
         else:
@@ -1337,13 +1340,8 @@ class Monitor:
                 free_lines = self._block_lines("free", worker)
             free_lines[b] = line
         if released is not None:
-            ticket_left = self._ticket_left
             for ticket, n in released.items():
-                left = ticket_left.get(ticket, 0) - n
-                if left > 0:
-                    ticket_left[ticket] = left
-                else:
-                    self._close_ticket(ticket)
+                self._release_ticket(ticket, n)
         if not (early_read or early_write):
             return
         for invariant, found, verb in (
