@@ -123,6 +123,41 @@ def test_toy_model_modes(symmetry, fingerprint):
         assert par.collision_probability is not None and "fingerprints" in par.memory
 
 
+class _Fan:
+    """One state with more actions than a 16-bit action number holds, and a
+    chain after the last successor: the searches must widen their link arrays
+    and still trace the deepest state back."""
+
+    def __init__(self, fan: int) -> None:
+        from pdproto.protocol._model import Action
+        from pdproto.spec._history import HistoryHeader
+
+        self.name, self.fan = "fan", fan
+        self.header = HistoryHeader(policy="push", complete=True)
+        self._go = [Action("go", f"b{i}", (i,)) for i in range(fan)]
+        self._on = [Action("on", "", (0,))]
+        self.invariants = {"short": lambda s: s[0] < fan + 2}
+
+    def initial_states(self):
+        return [(0,)]
+
+    def actions(self, state):
+        return self._go if state == (0,) else self._on if state[0] >= self.fan else []
+
+    def step(self, state, action):
+        return (state[0] + 1 if action.kind == "on" else action.args[0] + 1,), ()
+
+
+@pytest.mark.parametrize("workers", [None, 2])
+def test_links_widen_past_a_16_bit_action_number(workers):
+    fan = 70_000  # > 65,535: the action number of the last successors outgrows the link array
+    r = explore(_Fan(fan), symmetry=False, workers=workers)
+    assert r.states == fan + 3 and r.depth == 3
+    (cx,) = r.invariant_failures
+    assert cx.invariant == "short" and [s.action.kind for s in cx.trace] == ["go", "on", "on"]
+    assert cx.trace[0].action.args == (fan - 1,)
+
+
 def test_continue_keeps_the_parents_of_later_states():
     # a violating state is not expanded; the states after it in the frontier
     # used to take its index, so later parents, depths and traces were wrong

@@ -118,12 +118,16 @@ class Shard:
         n, wid, part, step, actions_of = self.n, self.wid, self.part, self.model.step, self.model.actions
         mons = self.mons
         template, after = mons.template, mons.after
-        scls, add, new = self.scls, self._add, self._new
+        scls, add = self.scls, self._add
         fast, keys, start = self.fast, self.visited.keys, self.start
         sym_hook, rename, canon_key = self.sym_hook, mons.rename, self.canon_key
         out = [_Batch() if w != wid else None for w in range(n)]
         sent: set = set()  # the (good) successors sent this level, to any shard: each goes once
         transitions = 0
+        # the hot path (a new concrete flat state owned here) is inline, as in the serial loop
+        parents, via, nxt, level1 = self.parents, self.via, self.next, self.level + 1
+        kkey = self.visited.kinterner.key if self.visited.kinterner is not None else None
+        checks, check_state = self.checks, self._check_state
         for i, entry in enumerate(self.frontier):
             if entry is _SKIP:
                 continue
@@ -150,6 +154,7 @@ class Shard:
                     dest = hash(cstate) % n
                     if dest == wid:
                         add(nstate, nmid, pgid, ai, bad, canon_key(cstate, rmid))
+                        parents, via = self.parents, self.via
                     elif bad is not None or (skey := (cstate, rmid)) not in sent:
                         if bad is None:
                             sent.add(skey)
@@ -159,10 +164,24 @@ class Shard:
                 if dest == wid:
                     if bad is None and fast_state and keys is not None:
                         key = nstate + (nmid, _PAIR) if nmid else nstate
-                        if key not in keys:
-                            new(key, nstate, pgid, ai)
+                        if key in keys:
+                            continue
+                        if kkey is not None:
+                            key = kkey(key) if nmid else kkey(key, 0)
+                        keys.add(key)
+                        try:
+                            parents.append(pgid)
+                            via.append(ai)
+                        except OverflowError:
+                            self._widen(pgid, ai)
+                            parents, via = self.parents, self.via
+                        if checks:
+                            check_state(nstate, (len(parents) - 1) * n + wid, level1)
+                            checks = self.checks
+                        nxt.append(key)
                     else:
                         add(nstate, nmid, pgid, ai, bad)
+                        parents, via = self.parents, self.via
                 else:
                     if bad is None and fast_state:  # one copy of a successor per level is enough
                         skey = nstate + (nmid, _PAIR) if nmid else nstate
@@ -183,7 +202,7 @@ class Shard:
     def merge(self, batches: list[bytes | None]) -> dict[str, Any]:
         """Add the successors the other shards sent; the next level becomes
         the frontier."""
-        intern, add, new, fast, scls = self.mons.intern, self._add, self._new, self.fast, self.scls
+        intern, add, fast, scls = self.mons.intern, self._add, self.fast, self.scls
         keys = self.visited.keys
         for blob in batches:
             if blob is None:
@@ -197,6 +216,9 @@ class Shard:
                     add(nstate, mids[smids[j]], pgids[j], ais[j], None if bad is None else _Found(*bad),
                         canon_key(cstates[j], mids[rmids[j]]))
                 continue
+            if not bads and fast and keys is not None:
+                self._merge_flat(states, smids, pgids, ais, mids)
+                continue
             for j, nstate in enumerate(states):
                 nmid = mids[smids[j]]
                 if bads and j in bads:
@@ -205,10 +227,40 @@ class Shard:
                 elif fast and keys is not None and type(nstate) is scls:
                     key = nstate + (nmid, _PAIR) if nmid else nstate
                     if key not in keys:
-                        new(key, nstate, pgids[j], ais[j])
+                        self._new(key, nstate, pgids[j], ais[j])
                 else:
                     add(nstate, nmid, pgids[j], ais[j], None)
         return self._swap(True)
+
+    def _merge_flat(self, states: list, smids: Any, pgids: Any, ais: Any, mids: dict[int, int]) -> None:
+        """Add one batch of concrete flat states, none of them bad: the
+        common case of :meth:`merge`, inline as in :meth:`expand`."""
+        keys, scls, n, wid, level1 = self.visited.keys, self.scls, self.n, self.wid, self.level + 1
+        parents, via, nxt, checks, check_state = self.parents, self.via, self.next, self.checks, self._check_state
+        kkey = self.visited.kinterner.key if self.visited.kinterner is not None else None
+        one = mids[smids[0]] if len(mids) == 1 else None  # one monitor state: its id, looked up once
+        for j, nstate in enumerate(states):
+            nmid = one if one is not None else mids[smids[j]]
+            if type(nstate) is not scls:
+                self._add(nstate, nmid, pgids[j], ais[j], None)
+                parents, via = self.parents, self.via
+                continue
+            key = nstate + (nmid, _PAIR) if nmid else nstate
+            if key in keys:  # type: ignore[operator]
+                continue
+            if kkey is not None:
+                key = kkey(key) if nmid else kkey(key, 0)
+            keys.add(key)  # type: ignore[union-attr]
+            try:
+                parents.append(pgids[j])
+                via.append(ais[j])
+            except OverflowError:
+                self._widen(pgids[j], ais[j])
+                parents, via = self.parents, self.via
+            if checks:
+                check_state(nstate, (len(parents) - 1) * n + wid, level1)
+                checks = self.checks
+            nxt.append(key)
 
     def links(self, gids: list[int]) -> list[tuple[int, int]]:
         """(parent global id, action index) of each of these states (owned here)."""
@@ -286,8 +338,13 @@ class Shard:
             self.parents.append(pgid)
             self.via.append(ai)
         except OverflowError:
-            self.parents = _append_wide(self.parents, len(self.via), pgid, "q")
-            self.via = _append_wide(self.via, len(self.via), ai, "l")
+            self._widen(pgid, ai)
+
+    def _widen(self, pgid: int, ai: int) -> None:
+        """Store the links of the next state in wider arrays (an index or an
+        action number outgrew the item type; one append may have landed)."""
+        self.parents = _append_wide(self.parents, len(self.via), pgid, "q")
+        self.via = _append_wide(self.via, len(self.via), ai, "l")
 
     def _quiet(self, mid: int, gid: int) -> None:
         if self.check_deadlock and self.template is not None:
