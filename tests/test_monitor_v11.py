@@ -239,7 +239,7 @@ def test_a_ticket_closes_when_its_generation_drops_its_shared_block():
         Share("r2", 0, "D0", (0,), tokens=4),
         Free("D0", (0,), request="r1", gen=0),
     ])
-    assert m._open_tickets == {} and m._owner == {("D0", 0): ("r2", 0)} and m._shared == {}
+    assert m._open_tickets == {} and m._owner == {"D0": {0: ("r2", 0)}} and m._shared == {}
 
 
 # -- readiness over ranges ---------------------------------------------------------
@@ -473,7 +473,7 @@ def test_random_histories_with_shares_and_ranges(evs, policy):
         a.feed(ev)
         b.feed(rename_event(ev, _SWAP, _SWAP_BLOCKS))
         assert Monitor.renamed_key(a.key(), _SWAP, _SWAP_BLOCKS) == b.key()
-        assert not set(a._owner) & set(a._shared)  # one owner, or two or more: never both
+        assert not {(w, b) for w, t in a._owner.items() for b in t} & set(a._shared)  # one owner, or two or more: never both
         assert all(len(holders) >= 2 for holders in a._shared.values())
     assert [v.invariant for v in a.finish()] == [v.invariant for v in b.finish()]
     assert [(v.invariant, v.line) for v in a.violations] == [(v.invariant, v.line) for v in b.violations]

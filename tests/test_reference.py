@@ -522,8 +522,9 @@ def test_free_blocks_are_blank(policy, cfg):
         for w, wn in enumerate(model.wname):
             for b in model.free_blocks(s, w):
                 wb = (wn, b)
-                assert not any(wb in getattr(mon, f, ()) for f in (
-                    "_owner", "_quarantine", "_reading", "_writing", "_block_ticket", "_shared")), (s, wb)
+                assert not any(b in getattr(mon, f).get(wn, ()) for f in (  # per worker: {worker: {block: ...}}
+                    "_owner", "_reading", "_writing", "_block_ticket")), (s, wb)
+                assert not any(wb in getattr(mon, f) for f in ("_quarantine", "_shared")), (s, wb)
 
 
 def test_symmetry_renaming_matches_state():

@@ -37,6 +37,8 @@ only to name witnesses.
 from __future__ import annotations
 
 from functools import partial
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import attrs
@@ -257,6 +259,11 @@ _new_transfer = partial(tuple.__new__, _Transfer)
 _new_gen = partial(tuple.__new__, _Gen)
 
 
+#: a worker's empty table of blocks (per-worker tables: read only)
+_NO_BLOCKS: Mapping[int, Any] = {}
+_NO_ITEMS: frozenset = frozenset()
+
+
 def _fmt_gen(key: tuple[str, int]) -> str:
     return f"request {key[0]!r} gen {key[1]}"
 
@@ -336,6 +343,21 @@ class Monitor:
     #: the tables of the verdict state, in the order key() lists them: one list,
     #: so that a table cannot be in the state without a renaming rule
     _VERDICT = tuple(_RENAME)
+    #: the per-block tables every reserve, prefill, transfer and free touches
+    #: block by block, kept per worker: ``{worker: {block: value}}`` (an int
+    #: key per block instead of a ``(worker, block)`` tuple built, hashed and
+    #: compared each time).  A worker's table may be left empty.  key() lists
+    #: them flat, ``((worker, block), value)``, as it lists ``_quarantine`` and
+    #: ``_shared`` (rare, kept flat), and with_key() takes that form back
+    _PER_WORKER = ("_owner", "_reading", "_writing", "_block_ticket")
+    #: the other verdict tables (flat), in _VERDICT order
+    _FLAT = tuple(sorted(set(_VERDICT) - set(_PER_WORKER), key=_VERDICT.index))
+    #: the flat tables and the per-worker ones, each at once; the parts of a
+    #: key listed flat tables first back in _VERDICT order
+    _GET_FLAT = attrgetter(*_FLAT)
+    _GET_PER_WORKER = attrgetter(*_PER_WORKER)
+    _KEY_ORDER = itemgetter(*map((_FLAT + _PER_WORKER).index, _VERDICT))
+    _NESTED = tuple(map(_PER_WORKER.__contains__, _VERDICT))
     #: what the second part of a ``_lines`` key is, by its tag
     _LINE_TAGS = {
         "submit": "gen",
@@ -489,8 +511,9 @@ class Monitor:
         """How many distinct requests the history named so far."""
         return len({key[0] for key in self._gens})
 
-    def copy(self) -> "Monitor":
-        """An independent monitor in the same state."""
+    def _settings_copy(self) -> "Monitor":
+        """A new monitor with this one's settings, line and event counts, and
+        no verdict tables or witness lines yet (a subclass adds its own state)."""
         new = type(self).__new__(type(self))
         new.policy = self.policy
         new.complete = self.complete
@@ -499,12 +522,23 @@ class Monitor:
         new.block_size = self.block_size
         new.boundary = self.boundary
         new.skip = self.skip
-        new.violations = list(self.violations)
         new.line = self.line
         new.events = self.events
         new._out = []
-        for name in self._VERDICT:
-            setattr(new, name, dict(getattr(self, name)))
+        return new
+
+    def copy(self) -> "Monitor":
+        """An independent monitor in the same state."""
+        new = self._settings_copy()
+        new.violations = list(self.violations)
+        for name, table in zip(self._FLAT, self._GET_FLAT(self)):
+            setattr(new, name, table.copy())
+        for name, table in zip(self._PER_WORKER, self._GET_PER_WORKER(self)):
+            mine = {}
+            for w, t in table.items():
+                if t:  # (an empty worker table goes)
+                    mine[w] = t.copy()
+            setattr(new, name, mine)
         # the per-worker tables of block lines are shared until either writes
         new._lines = dict(self._lines)
         self._lines_shared = new._lines_shared = True
@@ -514,17 +548,37 @@ class Monitor:
         """The verdict state as a hashable value: two monitors with equal keys
         report the same violations for every continuation (up to line
         numbers)."""
-        return tuple(frozenset(getattr(self, name).items()) for name in self._VERDICT)
+        parts = list(map(frozenset, map(dict.items, self._GET_FLAT(self))))
+        for table in self._GET_PER_WORKER(self):
+            if not table:
+                parts.append(_NO_ITEMS)
+                continue
+            items = []
+            for w, t in table.items():  # ((worker, block), value) pairs
+                for b, v in t.items():
+                    items.append(((w, b), v))
+            parts.append(frozenset(items))
+        return self._KEY_ORDER(parts)
 
     def with_key(self, key: tuple) -> "Monitor":
         """A monitor with this one's settings (policy, completeness, pools,
         skipped invariants), line and event counts, in the verdict state
         ``key`` (a :meth:`key` value); no violations and no witness lines."""
-        new = self.copy()
+        new = self._settings_copy()
         new.violations = []
         new._lines = {}
-        for name, items in zip(self._VERDICT, key):
-            setattr(new, name, dict(items))
+        new._lines_shared = False
+        for name, items, nested in zip(self._VERDICT, key, self._NESTED):
+            if nested:
+                table: dict = {}
+                for (w, b), v in items:
+                    t = table.get(w)
+                    if t is None:
+                        t = table[w] = {}
+                    t[b] = v
+                setattr(new, name, table)
+            else:
+                setattr(new, name, dict(items))
         return new
 
     @classmethod
@@ -659,7 +713,7 @@ class Monitor:
 
     def _take_quarantined(self, event: Event, key: tuple[str, int], wb: tuple[str, int], line: int) -> None:
         worker, b = wb
-        writers = self._writing.get(wb, ())
+        writers = self._writing.get(worker, _NO_BLOCKS).get(b, ())
         self._report(
             "early-target-reuse",
             line,
@@ -688,10 +742,16 @@ class Monitor:
         )
 
     def _allocate(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], line: int) -> None:
-        owner = self._owner
         shared = self._shared
         inside = self._capacity(event, worker, blocks, line)
-        lines = self._block_lines("alloc", worker) if inside else {}
+        if not inside:
+            if self.block_size is not None:
+                self._extend_table(key, worker, blocks, own=True)
+            return
+        lines = self._block_lines("alloc", worker)
+        owner = self._owner.get(worker)
+        if owner is None:
+            owner = self._owner[worker] = {}
         if not self._quarantine and not shared and len(set(inside)) == len(inside):
             # the common case (no quarantined or shared block, distinct
             # blocks): what the loop below does, with one owner lookup per
@@ -699,7 +759,7 @@ class Monitor:
             # before (by anyone) returns another object
             setdefault = owner.setdefault
             for b in inside:
-                held = setdefault((worker, b), key)
+                held = setdefault(b, key)
                 if held is not key:
                     self._retake(event, key, (worker, b), f"already owned by {_fmt_gen(held)}", line)
                 lines[b] = line
@@ -710,9 +770,9 @@ class Monitor:
                     self._take_quarantined(event, key, wb, line)
                 elif shared and wb in shared:
                     self._retake(event, key, wb, f"already shared by {_gens_text(shared.pop(wb))}", line)
-                elif wb in owner:
-                    self._retake(event, key, wb, f"already owned by {_fmt_gen(owner[wb])}", line)
-                owner[wb] = key
+                elif b in owner:
+                    self._retake(event, key, wb, f"already owned by {_fmt_gen(owner[b])}", line)
+                owner[b] = key
                 lines[b] = line
         if self.block_size is not None:
             self._extend_table(key, worker, blocks, own=True)
@@ -723,7 +783,7 @@ class Monitor:
         its owner."""
         self._double_allocation(event, key, wb, why, line)
         self._release_ticket_block(wb)
-        self._owner[wb] = key
+        self._per_worker(self._owner, wb[0])[wb[1]] = key
 
     def _extend_table(self, key: tuple[str, int], worker: str, blocks: tuple[int, ...], own: bool) -> None:
         """Append ``blocks`` to the generation's shared (``own=False``) or
@@ -737,8 +797,17 @@ class Monitor:
         shared, mine = self._tables.get((key, worker), ((), ()))
         return tuple(b for _, b in shared + mine)
 
+    @staticmethod
+    def _per_worker(table: dict, worker: str) -> dict:
+        """``worker``'s table in the per-worker ``table`` (see _PER_WORKER), to write into."""
+        t = table.get(worker)
+        if t is None:
+            t = table[worker] = {}
+        return t
+
     def _release_ticket_block(self, wb: tuple[str, int]) -> None:
-        ticket = self._block_ticket.pop(wb, None)
+        t = self._block_ticket.get(wb[0])
+        ticket = t.pop(wb[1], None) if t else None
         if ticket is not None:
             self._release_ticket(ticket, 1)
 
@@ -786,17 +855,17 @@ class Monitor:
         )
 
     def _owned_by(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], role: str, line: int) -> None:
-        owner = self._owner
+        owner = self._owner.get(worker, _NO_BLOCKS)
         get = owner.get
         for b in blocks:
-            if get((worker, b)) != key:
+            if get(b) != key:
                 break
         else:
             return  # the common case: all owned
         shared = self._shared
         for b in self._capacity(event, worker, blocks, line):
             wb = (worker, b)
-            held = owner.get(wb)
+            held = get(b)
             if held == key:
                 continue
             holders = shared.get(wb) if shared else None
@@ -830,17 +899,17 @@ class Monitor:
     def _index_remove(index: dict, worker: str, blocks: tuple[int, ...], tid: str) -> None:
         """Drop ``tid`` from the index entries of ``blocks`` on ``worker`` (an
         entry left empty goes)."""
+        index = index.get(worker)
         if not index:
             return
         pop = index.pop
         for b in blocks:
-            wb = (worker, b)
-            tids = pop(wb, None)
+            tids = pop(b, None)
             if tids is None or (len(tids) == 1 and tid in tids):
                 continue  # (the common case: ``tid`` alone used it)
             rest = tids - {tid}
             if rest:
-                index[wb] = rest
+                index[b] = rest
 
     def _stop(self, tid: str, t: _Transfer, reading: bool, writing: bool) -> None:
         """Mark transfer ``tid`` as no longer reading and/or writing."""
@@ -850,9 +919,10 @@ class Monitor:
             self._index_remove(self._writing, t.dst, t.dst_blocks, tid)
             quarantine = self._quarantine
             if quarantine:
+                writers = self._writing.get(t.dst, _NO_BLOCKS)
                 for b in t.dst_blocks:
                     wb = (t.dst, b)
-                    if wb in quarantine and wb not in self._writing:
+                    if wb in quarantine and b not in writers:
                         del quarantine[wb]
         t = _new_transfer((*t[:6], t.reading and not reading, t.writing and not writing, *t[8:]))
         self._transfers[tid] = t
@@ -912,9 +982,9 @@ class Monitor:
         self._lines[("ticket", ev.ticket)] = line
         self._ticket_left[ev.ticket] = len(set(ev.blocks))
         self._open_tickets[key] = self._open_tickets.get(key, 0) + 1
-        block_ticket, worker, ticket = self._block_ticket, ev.worker, ev.ticket
+        block_ticket, ticket = self._per_worker(self._block_ticket, ev.worker), ev.ticket
         for b in ev.blocks:
-            block_ticket[(worker, b)] = ticket
+            block_ticket[b] = ticket
 
     def _on_prefill_start(self, ev: PrefillStart, line: int) -> None:
         key = (ev.request, ev.gen)
@@ -970,12 +1040,14 @@ class Monitor:
         self._inflight[tid] = True
         alone = frozenset((tid,))  # this event's own object: an earlier entry is another
         for index, worker, blocks in ((self._reading, ev.src, ev.src_blocks), (self._writing, ev.dst, ev.dst_blocks)):
+            if not blocks:
+                continue
+            index = self._per_worker(index, worker)
             setdefault = index.setdefault
             for b in blocks:
-                wb = (worker, b)
-                tids = setdefault(wb, alone)
+                tids = setdefault(b, alone)
                 if tids is not alone:
-                    index[wb] = tids | alone
+                    index[b] = tids | alone
         self._ticket_transfers[ev.ticket] = self._ticket_transfers.get(ev.ticket, ()) + (tid,)
         self._lines[("transfer", tid)] = line
 
@@ -1286,26 +1358,28 @@ class Monitor:
 
     def _on_free(self, ev: Free, line: int) -> None:
         worker = ev.worker
-        owner = self._owner
         lines = self._lines
         early_read: dict[tuple, list[int]] = {}
         early_write: dict[tuple, list[int]] = {}
         shared = self._shared
-        reading = self._reading
-        writing = self._writing
+        # this worker's tables of the blocks' readers, writers and tickets
+        # (None: it has none; nothing in the loop adds any)
+        reading = self._reading.get(worker) or None
+        writing = self._writing.get(worker) or None
         # each block's ticket is released at the end, once per ticket with the
         # count of its blocks freed here (what one release per block comes to:
         # nothing in between reads a ticket's count)
-        bt_pop = self._block_ticket.pop if self._block_ticket else None
+        block_ticket = self._block_ticket.get(worker)
+        bt_pop = block_ticket.pop if block_ticket else None
         released: dict[str, int] | None = None
         request, gen = ev.request, ev.gen
         named_key = (request, gen)  # the owner a free naming its generation expects (the common case)
         free_lines = None
-        pop = owner.pop
+        pop = self._per_worker(self._owner, worker).pop  # (_free_shared may give a block back to it)
         for b in self._capacity(ev, worker, ev.blocks, line):
-            wb = (worker, b)
-            held = pop(wb, None)  # (released below whatever the checks find)
+            held = pop(b, None)  # (released below whatever the checks find)
             if held is None:
+                wb = (worker, b)
                 if shared and wb in shared:
                     held = self._free_shared(ev, wb, line)
                     if held is None:
@@ -1320,17 +1394,17 @@ class Monitor:
             ):
                 named = request if gen is None else _fmt_gen((request, gen))
                 self._bad_free(ev, line, b, f"free of block {b} on {worker!r} for {named}, but "
-                               f"{_fmt_gen(held)} owns it", self._block_line("alloc", wb))
-            if reading:
-                readers = reading.get(wb)
+                               f"{_fmt_gen(held)} owns it", self._block_line("alloc", (worker, b)))
+            if reading is not None:
+                readers = reading.get(b)
                 if readers:
                     early_read.setdefault((held, readers), []).append(b)
-            if writing:
-                writers = writing.get(wb)
+            if writing is not None:
+                writers = writing.get(b)
                 if writers:
                     early_write.setdefault((held, writers), []).append(b)
             if bt_pop is not None:
-                ticket = bt_pop(wb, None)
+                ticket = bt_pop(b, None)
                 if ticket is not None:
                     if released is None:
                         released = {ticket: 1}
@@ -1384,12 +1458,12 @@ class Monitor:
         if not rest:
             del self._shared[wb]
             return min(mine)
-        ticket = self._block_ticket.get(wb)
+        ticket = self._block_ticket.get(worker, _NO_BLOCKS).get(b)
         if ticket is not None and self._tickets[ticket].gen in mine:
             self._release_ticket_block(wb)
         if len(rest) == 1:
             del self._shared[wb]
-            (self._owner[wb],) = rest
+            (self._per_worker(self._owner, worker)[b],) = rest
         else:
             self._shared[wb] = rest
         return None
@@ -1398,7 +1472,7 @@ class Monitor:
         key = (ev.request, ev.gen)
         worker = ev.worker
         self._check_live(ev, key, line)
-        owner = self._owner
+        owner = self._per_worker(self._owner, worker)
         shared = self._shared
         lines = self._lines
         writing_reported = False
@@ -1406,15 +1480,15 @@ class Monitor:
             wb = (worker, b)
             if wb in self._quarantine:
                 self._take_quarantined(ev, key, wb, line)
-                owner[wb] = key
+                owner[b] = key
                 self._block_lines("alloc", worker)[b] = line
                 continue
-            held = owner.get(wb)
+            held = owner.get(b)
             holders = shared.get(wb)
             if held == key or (holders is not None and key in holders):
                 self._double_allocation(ev, key, wb, "which it already holds", line)
                 continue
-            writers = self._writing.get(wb)
+            writers = self._writing.get(worker, _NO_BLOCKS).get(b)
             if writers and not writing_reported:
                 others = sorted(t for t in writers if self._transfers[t].gen != key)
                 if others:
@@ -1433,12 +1507,12 @@ class Monitor:
                         transfer=others[0],
                     )
             if held is not None:
-                del owner[wb]
+                del owner[b]
                 shared[wb] = frozenset((held, key))
             elif holders is not None:
                 shared[wb] = holders | {key}
             else:
-                owner[wb] = key  # a free block whose cached KV the share revives
+                owner[b] = key  # a free block whose cached KV the share revives
             self._block_lines("alloc", worker)[b] = line
         tokens = ev.tokens
         if self.block_size is not None:
@@ -1451,13 +1525,15 @@ class Monitor:
         worker = ev.worker
         self._incarnation[worker] = ev.incarnation
         self._lines[("restart", worker)] = line
-        for table in (self._owner, self._shared):
-            for wb in [wb for wb in table if wb[0] == worker]:
-                del table[wb]
-                self._block_ticket.pop(wb, None)
-                self._block_lines("free", worker)[wb[1]] = line
-                if wb in self._writing:
-                    self._quarantine[wb] = True
+        block_ticket = self._block_ticket.get(worker, {})
+        writing = self._writing.get(worker, _NO_BLOCKS)
+        shared = self._shared
+        for b in [*self._owner.pop(worker, ()), *(wb[1] for wb in shared if wb[0] == worker)]:
+            shared.pop((worker, b), None)
+            block_ticket.pop(b, None)
+            self._block_lines("free", worker)[b] = line
+            if b in writing:
+                self._quarantine[(worker, b)] = True
         for gw in [gw for gw in self._share_tokens if gw[1] == worker]:
             del self._share_tokens[gw]
         for gw in [gw for gw in self._tables if gw[1] == worker]:
@@ -1477,9 +1553,10 @@ class Monitor:
     def _end_checks(self, line: int) -> None:
         lines = self._lines
         held: dict[tuple[tuple[str, int], str], list[int]] = {}
-        for (worker, b), key in self._owner.items():
-            if self._gens.get(key, _NEW_GEN).terminal:
-                held.setdefault((key, worker), []).append(b)
+        for worker, owner in self._owner.items():
+            for b, key in owner.items():
+                if self._gens.get(key, _NEW_GEN).terminal:
+                    held.setdefault((key, worker), []).append(b)
         for (worker, b), keys in self._shared.items():
             for key in keys:
                 if self._gens.get(key, _NEW_GEN).terminal:

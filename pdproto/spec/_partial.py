@@ -123,8 +123,9 @@ class PartialMonitor(Monitor):
     def requests(self) -> int:
         return len(self._requests | {key[0] for key in self._gens})
 
-    def copy(self) -> "PartialMonitor":
-        new = super().copy()
+    def _settings_copy(self) -> "PartialMonitor":
+        # (copy() and with_key() start here)
+        new = super()._settings_copy()
         assert isinstance(new, PartialMonitor)
         new.observed = self.observed
         new.not_judged = self.not_judged
@@ -205,8 +206,8 @@ class PartialMonitor(Monitor):
         else:
             unowned = []
             if not self._own:
-                owner, shared = self._owner, self._shared
-                unowned = [b for b in ev.blocks if (worker, b) not in owner and (worker, b) not in shared]
+                owner, shared = self._owner.get(worker, {}), self._shared
+                unowned = [b for b in ev.blocks if b not in owner and (worker, b) not in shared]
             Monitor._on_free(self, ev, line)
             if unowned:
                 self._early_unowned(ev, unowned, line)
@@ -216,7 +217,7 @@ class PartialMonitor(Monitor):
         def mine(key: tuple[str, int]) -> bool:
             return key[0] == request and (gen is None or key[1] == gen)
 
-        blocks = [b for (w, b), key in self._owner.items() if w == worker and mine(key)]
+        blocks = [b for b, key in self._owner.get(worker, {}).items() if mine(key)]
         blocks += [b for (w, b), keys in self._shared.items() if w == worker and any(map(mine, keys))]
         return tuple(sorted(blocks))
 
@@ -246,8 +247,9 @@ class PartialMonitor(Monitor):
         for invariant, index, verb in (("early-source-free", self._reading, "read"),
                                        ("early-target-reuse", self._writing, "write into")):
             found: dict[frozenset, list[int]] = {}
+            index = index.get(worker, {})
             for b in blocks:
-                tids = index.get((worker, b))
+                tids = index.get(b)
                 if tids:
                     found.setdefault(tids, []).append(b)
             for tids, bs in found.items():
