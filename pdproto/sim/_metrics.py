@@ -261,7 +261,11 @@ class _Gaps:
 
     def __init__(self, limit: int = 250_000, seed: int = 0) -> None:
         self.limit = max(2, limit)
-        self.values = array("d")
+        # a list, not an array("d"): extending a list with a request's gaps
+        # copies pointers, while an array converts each float through the
+        # argument parser (about 20x the work; at the limit the list holds
+        # ~8 MB instead of ~2 MB)
+        self.values: list[float] = []
         self.seen = 0
         self.total = 0.0
         self.top = 0.0
