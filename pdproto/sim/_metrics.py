@@ -346,8 +346,10 @@ class Gauge:
         self.value = 0.0
         self.area = 0.0
         self.peak = 0.0
-        self.times = array("d")
-        self.values = array("d")
+        # lists (at most ``points`` each): an array("d") append converts its
+        # float through the argument parser, several times a list append's cost
+        self.times: list[float] = []
+        self.values: list[float] = []
         self._every = 1
         self._skip = 0
         self._points = max(2, points)
