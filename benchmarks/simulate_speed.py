@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import time
 
 from pdproto.sim import SimConfig, simulate
@@ -53,8 +54,9 @@ def main() -> None:
     runs = [measure(n, pd, True, args.rate) for _ in range(max(1, args.repeat))]
     speed, wall, res, _ = max(runs, key=lambda r: r[0])
     cpu = max(r[3] for r in runs)
+    median = statistics.median(r[0] for r in runs)
     print(f"PD 2P2D, monitor on : {speed:8,.0f} simulated requests / wall s, {cpu:8,.0f} / CPU s  (best of "
-          f"{len(runs)}; {n:,} requests in "
+          f"{len(runs)}, median {median:,.0f}; {n:,} requests in "
           f"{wall:.2f} s, {res.events:,} events judged, {res.duration:,.0f} simulated s = {res.duration / wall:,.0f}x "
           f"real time)")
     speed_off, wall_off, _, cpu_off = measure(n, pd, False, args.rate)
@@ -67,7 +69,8 @@ def main() -> None:
           "other processes share the cores; the target is wall time on an idle machine)")
     if n == 10_000:
         verdict = "meets" if speed >= TARGET else "MISSES"
-        print(f"target {TARGET:,.0f} req/s (PD, monitor on, 10,000 requests): {verdict} it")
+        print(f"target {TARGET:,.0f} req/s (PD, monitor on, 10,000 requests): the best run {verdict} it, the median "
+              f"{'meets' if median >= TARGET else 'MISSES'} it")
     else:
         print(f"(the target, {TARGET:,.0f} req/s, is for 10,000 requests; this run had {n:,})")
 

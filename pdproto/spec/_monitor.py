@@ -37,7 +37,6 @@ only to name witnesses.
 from __future__ import annotations
 
 from functools import partial
-from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
