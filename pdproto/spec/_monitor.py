@@ -742,22 +742,13 @@ class Monitor:
 
     def _allocate(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], line: int) -> None:
         shared = self._shared
-        inside = blocks
-        workers = self.workers
-        if workers is not None and blocks:  # (_capacity's own test, without a call per event)
-            spec = workers.get(worker)
-            if spec is not None and max(blocks) >= spec.blocks:
-                inside = self._capacity(event, worker, blocks, line)
+        inside = self._capacity(event, worker, blocks, line)
         if not inside:
             if self.block_size is not None:
                 self._extend_table(key, worker, blocks, own=True)
             return
-        lines = None if self._lines_shared else self._lines.get(("alloc", worker))
-        if lines is None:
-            lines = self._block_lines("alloc", worker)
-        owner = self._owner.get(worker)
-        if owner is None:
-            owner = self._owner[worker] = {}
+        lines = self._block_lines("alloc", worker)
+        owner = self._per_worker(self._owner, worker)
         if not self._quarantine and not shared and len(set(inside)) == len(inside):
             # the common case (no quarantined or shared block, distinct
             # blocks): what the loop below does, with one owner lookup per
@@ -1382,13 +1373,7 @@ class Monitor:
         named_key = (request, gen)  # the owner a free naming its generation expects (the common case)
         free_lines = None
         pop = self._per_worker(self._owner, worker).pop  # (_free_shared may give a block back to it)
-        inside = ev.blocks
-        workers = self.workers
-        if workers is not None and inside:  # (_capacity's own test, without a call per event)
-            spec = workers.get(worker)
-            if spec is not None and max(inside) >= spec.blocks:
-                inside = self._capacity(ev, worker, inside, line)
-        for b in inside:
+        for b in self._capacity(ev, worker, ev.blocks, line):
             held = pop(b, None)  # (released below whatever the checks find)
             if held is None:
                 wb = (worker, b)
@@ -1423,9 +1408,7 @@ class Monitor:
                     else:
                         released[ticket] = released.get(ticket, 0) + 1
             if free_lines is None:
-                free_lines = None if self._lines_shared else self._lines.get(("free", worker))
-                if free_lines is None:
-                    free_lines = self._block_lines("free", worker)
+                free_lines = self._block_lines("free", worker)
             free_lines[b] = line
         if released is not None:
             for ticket, n in released.items():
