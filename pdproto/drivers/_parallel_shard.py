@@ -202,7 +202,7 @@ class Shard:
     def merge(self, batches: list[bytes | None]) -> dict[str, Any]:
         """Add the successors the other shards sent; the next level becomes
         the frontier."""
-        intern, add, fast, scls = self.mons.intern, self._add, self.fast, self.scls
+        intern, add, new, fast, scls = self.mons.intern, self._add, self._new, self.fast, self.scls
         keys = self.visited.keys
         for blob in batches:
             if blob is None:
@@ -216,9 +216,6 @@ class Shard:
                     add(nstate, mids[smids[j]], pgids[j], ais[j], None if bad is None else _Found(*bad),
                         canon_key(cstates[j], mids[rmids[j]]))
                 continue
-            if not bads and fast and keys is not None:
-                self._merge_flat(states, smids, pgids, ais, mids)
-                continue
             for j, nstate in enumerate(states):
                 nmid = mids[smids[j]]
                 if bads and j in bads:
@@ -227,40 +224,10 @@ class Shard:
                 elif fast and keys is not None and type(nstate) is scls:
                     key = nstate + (nmid, _PAIR) if nmid else nstate
                     if key not in keys:
-                        self._new(key, nstate, pgids[j], ais[j])
+                        new(key, nstate, pgids[j], ais[j])
                 else:
                     add(nstate, nmid, pgids[j], ais[j], None)
         return self._swap(True)
-
-    def _merge_flat(self, states: list, smids: Any, pgids: Any, ais: Any, mids: dict[int, int]) -> None:
-        """Add one batch of concrete flat states, none of them bad: the
-        common case of :meth:`merge`, inline as in :meth:`expand`."""
-        keys, scls, n, wid, level1 = self.visited.keys, self.scls, self.n, self.wid, self.level + 1
-        parents, via, nxt, checks, check_state = self.parents, self.via, self.next, self.checks, self._check_state
-        kkey = self.visited.kinterner.key if self.visited.kinterner is not None else None
-        one = mids[smids[0]] if len(mids) == 1 else None  # one monitor state: its id, looked up once
-        for j, nstate in enumerate(states):
-            nmid = one if one is not None else mids[smids[j]]
-            if type(nstate) is not scls:
-                self._add(nstate, nmid, pgids[j], ais[j], None)
-                parents, via = self.parents, self.via
-                continue
-            key = nstate + (nmid, _PAIR) if nmid else nstate
-            if key in keys:  # type: ignore[operator]
-                continue
-            if kkey is not None:
-                key = kkey(key) if nmid else kkey(key, 0)
-            keys.add(key)  # type: ignore[union-attr]
-            try:
-                parents.append(pgids[j])
-                via.append(ais[j])
-            except OverflowError:
-                self._widen(pgids[j], ais[j])
-                parents, via = self.parents, self.via
-            if checks:
-                check_state(nstate, (len(parents) - 1) * n + wid, level1)
-                checks = self.checks
-            nxt.append(key)
 
     def links(self, gids: list[int]) -> list[tuple[int, int]]:
         """(parent global id, action index) of each of these states (owned here)."""
