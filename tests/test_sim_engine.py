@@ -12,6 +12,7 @@ import pytest
 from pdproto._errors import UsageError
 from pdproto.cost import GIB
 from pdproto.sim import PiecewiseLinear, Roofline, SimConfig, simulate
+from pdproto.sim import SimulationCheckError
 from pdproto.sim._engine import _Sim
 from pdproto.sim._latency import DEVICES, MODELS
 from pdproto.sim._metrics import Metrics, RequestRecord
@@ -201,10 +202,81 @@ def test_prompts_that_never_fit_are_rejected_and_queue_timeouts_reject() -> None
     recs, res = run([SimRequest("big", 0.0, 5000, 2), SimRequest("ok", 0.0, 100, 2)],
                     seed_config("pd", kv_blocks=100))
     assert [r.rejected for r in recs] == [True, False] and res.ok
+    assert res.rejections == {"prompt larger than an instance's KV": 1} and res.failures == {}
     many = [SimRequest(f"r{i}", 0.0, 4000, 50) for i in range(20)]
     recs, res = run(many, seed_config("colocated", queue_timeout_s=0.5))
     assert 0 < res.faults["rejected"] < 20
+    assert res.rejections == {"queue timeout": res.faults["rejected"]}
+    assert res.to_dict()["rejections"] == res.rejections
     assert all(r.first_token is None for r in recs if r.rejected)
+
+
+# -- the end-of-run self-check: conservation, KV returned, Little's law -------------------
+
+
+@pytest.mark.parametrize("arm", ["pd", "colocated", "chunked"])
+def test_every_run_checks_littles_law_on_its_own_counts(arm: str) -> None:
+    """L = λW on the sample path: the engine's time-averaged number of
+    requests in the system (integrated as requests arrive and end) times the
+    run's duration equals the sojourns the records show.  Here every request
+    completes (preemption and retries included), so each record has its end;
+    with cancels, rejections and failures the engine checks the same identity
+    itself at the end of every run (the faulty runs above pass it)."""
+    kw = dict(kv_blocks=120, transfer_fail_rate=0.15, bandwidth_gibps=8.0, max_retries=50, n_d=2) if arm == "pd" \
+        else dict(kv_blocks=120, devices=2)
+    reqs = poisson(200, 30.0, prompt=300, output=200)
+    recs, res = run(reqs, seed_config(arm, **kw))
+    assert res.ok and len(recs) == 200 and all(r.completed for r in recs)
+    assert res.faults["preempted"] + res.faults["retries"] > 0
+    sojourn = math.fsum(r.finish - r.arrival for r in recs)  # type: ignore[operator]
+    assert res.mean_in_system * res.duration == pytest.approx(sojourn, rel=1e-9)
+    assert res.to_dict()["mean_in_system"] == res.mean_in_system
+
+
+def _leak_one_block(monkeypatch) -> None:
+    release = _Sim.release
+
+    def leaky(self: _Sim, inst: object, blocks: list, r: object) -> None:
+        if blocks and getattr(r, "id", None) == "r3":
+            blocks.pop()  # one block never goes back to the pool
+        release(self, inst, blocks, r)
+
+    monkeypatch.setattr(_Sim, "release", leaky)
+
+
+def test_the_self_check_finds_a_block_the_engine_never_returned(monkeypatch) -> None:
+    _leak_one_block(monkeypatch)
+    with pytest.raises(SimulationCheckError) as info:
+        run(poisson(20, 5.0), seed_config("pd"), monitor=False)  # (the monitor would call it a leak first)
+    assert info.value.check == "kv-returned" and "4095 distinct free block(s)" in info.value.detail
+    assert "a bug in pdproto" in str(info.value)
+
+
+def test_the_self_check_finds_a_request_that_ended_twice_or_never(monkeypatch) -> None:
+    done = _Sim.done
+
+    def twice(self: _Sim, r: object) -> None:
+        done(self, r)
+        if getattr(r, "id", None) == "r5":
+            done(self, r)
+
+    monkeypatch.setattr(_Sim, "done", twice)
+    with pytest.raises(SimulationCheckError) as info:
+        run(poisson(20, 5.0), seed_config("colocated"))
+    assert info.value.check == "conservation" and "1 ended twice" in info.value.detail
+    monkeypatch.setattr(_Sim, "done", lambda self, r: done(self, r) if r.id != "r5" else None)
+    with pytest.raises(SimulationCheckError) as info:
+        run(poisson(20, 5.0), seed_config("colocated"))
+    assert info.value.check == "conservation" and "20 request(s) arrived, 19 end(s)" in info.value.detail
+
+
+def test_the_self_check_finds_a_sojourn_the_count_did_not_see(monkeypatch) -> None:
+    in_system = _Sim.in_system
+    monkeypatch.setattr(_Sim, "in_system", lambda self, k: in_system(self, k) if k > 0 or self.n < 10 else
+                        (setattr(self, "in_sys", self.in_sys - 1)))  # ends after the 10th arrival skip the integral
+    with pytest.raises(SimulationCheckError) as info:
+        run(poisson(20, 5.0), seed_config("chunked"))
+    assert info.value.check == "littles-law"
 
 
 def test_same_seed_same_run() -> None:

@@ -24,6 +24,7 @@ from ._metrics import RequestRecord as RequestRecord
 from ._engine import ARMS as ARMS
 from ._engine import SimConfig as SimConfig
 from ._engine import SimResult as SimResult
+from ._engine import SimulationCheckError as SimulationCheckError
 from ._engine import latency_for as latency_for
 from ._engine import simulate as simulate
 from ._sweep import SIGNALS as SIGNALS
@@ -54,6 +55,7 @@ __all__ = [
     "ARMS",
     "SimConfig",
     "SimResult",
+    "SimulationCheckError",
     "latency_for",
     "simulate",
     "SIGNALS",

@@ -57,7 +57,7 @@ from typing import IO, Any, Callable, Iterable, Iterator
 
 import attrs
 
-from .._errors import UsageError
+from .._errors import PdprotoError, UsageError
 from ..spec import (
     Alloc,
     Cancel,
@@ -82,7 +82,7 @@ from ..spec import (
 )
 from ._latency import DEVICES, MODELS, PiecewiseLinear, Roofline, device_spec, model_spec
 
-__all__ = ["ARMS", "SimConfig", "SimResult", "simulate", "latency_for"]
+__all__ = ["ARMS", "SimConfig", "SimResult", "SimulationCheckError", "simulate", "latency_for"]
 
 ARMS = ("colocated", "chunked", "pd")
 DECODE_EVENTS = ("first", "all")
@@ -213,6 +213,9 @@ class SimResult:
     events: int
     violation: dict | None = None
     samples: tuple = ()
+    rejections: dict = attrs.field(factory=dict)  # why -> requests refused at admission
+    failures: dict = attrs.field(factory=dict)  # why -> requests the server gave up on
+    mean_in_system: float = 0.0  # time-averaged requests in the system (Little's L)
 
     @property
     def ok(self) -> bool:
@@ -234,7 +237,22 @@ class SimResult:
             "faults": self.faults,
             "events": self.events,
             "violation": self.violation,
+            "rejections": self.rejections,
+            "failures": self.failures,
+            "mean_in_system": self.mean_in_system,
         }
+
+
+class SimulationCheckError(PdprotoError):
+    """The simulator's own bookkeeping contradicts itself at the end of a run:
+    a bug in pdproto, never in its input.  ``check`` names the identity that
+    failed (``conservation``, ``kv-returned`` or ``littles-law``) and
+    ``detail`` gives the numbers."""
+
+    def __init__(self, check: str, detail: str) -> None:
+        self.check = check
+        self.detail = detail
+        super().__init__(f"simulator self-check {check!r} failed: {detail} (a bug in pdproto; please report it)")
 
 
 class _Abort(Exception):
@@ -404,6 +422,17 @@ class _Sim:
         self.layers = shape.layers
         self.n = 0
         self.finished = 0
+        # the end-of-run self-check's counts: requests in the system and the
+        # integral of that count over time, their summed sojourn, ends of a
+        # request already ended, and requests ending in two outcomes at once
+        self.in_sys = 0
+        self.sys_area = 0.0
+        self.sys_t = 0.0
+        self.sojourn = 0.0
+        self.ended_twice = 0
+        self.two_outcomes = 0
+        self.why_rejected: dict[str, int] = {}
+        self.why_failed: dict[str, int] = {}
         self.events = 0
         self.violation: dict | None = None
         self.faults = {"transfer_failures": 0, "timeouts": 0, "retries": 0, "preempted": 0, "rejected": 0,
@@ -583,6 +612,8 @@ class _Sim:
                     v = ends[0]
                     self.violation = {"invariant": v.invariant, "request": v.request, "time_s": self.now,
                                       "message": v.message, "event": None}
+            if self.violation is None:
+                self.self_check()
         except _Abort:
             pass
         wall = _time.perf_counter() - wall0
@@ -606,8 +637,38 @@ class _Sim:
 
     # -- arrival, cancellation, rejection --------------------------------------
 
+    def self_check(self) -> None:
+        """Conservation and Little's law on the run that just ended (cheap:
+        the counts are kept as it runs).  Every request that arrived ended
+        exactly once in one outcome; every KV block is back in its pool; and
+        the time integral of the number of requests in the system equals the
+        summed sojourn of the requests (L = λW on the sample path, with both
+        sides measured separately)."""
+        if self.finished != self.n or self.in_sys != 0 or self.ended_twice or self.two_outcomes:
+            raise SimulationCheckError(
+                "conservation", f"{self.n} request(s) arrived, {self.finished} end(s) recorded, {self.in_sys} "
+                f"still in the system, {self.ended_twice} ended twice, {self.two_outcomes} in two outcomes")
+        for inst in self.insts:
+            free = inst.free
+            if len(free) != inst.nblocks or len(set(free)) != inst.nblocks:
+                raise SimulationCheckError(
+                    "kv-returned", f"{inst.name} has {len(set(free))} distinct free block(s) "
+                    f"({len(free)} entries) of {inst.nblocks} after every request ended")
+        if abs(self.sys_area - self.sojourn) > 1e-9 * max(1.0, self.sojourn):
+            raise SimulationCheckError(
+                "littles-law", f"the number in the system integrates to {self.sys_area!r} request-seconds, "
+                f"the requests' sojourns sum to {self.sojourn!r}")
+
+    def in_system(self, k: int) -> None:
+        """The number of requests in the system changes by ``k`` now."""
+        now = self.now
+        self.sys_area += self.in_sys * (now - self.sys_t)
+        self.sys_t = now
+        self.in_sys += k
+
     def arrive(self, raw: Any) -> None:
         r = _Req(raw)
+        self.in_system(1)
         cfg = self.cfg
         if r.cancel_at is not None and r.cancel_phase is None:
             self.push(max(r.cancel_at, self.now), _CANCEL, r)
@@ -712,6 +773,7 @@ class _Sim:
                 self.release(r.d, r.dblocks, r)
         r.rejected = True
         self.faults["rejected"] += 1
+        self.why_rejected[why] = self.why_rejected.get(why, 0) + 1
         if self.ev_on:
             self.emit(Fail.unchecked(r.id, r.gen, "rejected: " + why), r)
         self.done(r)
@@ -777,13 +839,20 @@ class _Sim:
     def give_up(self, r: _Req, why: str) -> None:
         """The request fails: it can never be served."""
         r.failed = True
+        self.why_failed[why] = self.why_failed.get(why, 0) + 1
         if self.ev_on:
             self.emit(Fail.unchecked(r.id, r.gen, why), r)
         self.done(r)
 
     def done(self, r: _Req) -> None:
+        if r.state == _DONE:
+            self.ended_twice += 1
+        if r.rejected + r.cancelled + r.failed > 1:
+            self.two_outcomes += 1
         r.state = _DONE
         self.finished += 1
+        self.in_system(-1)
+        self.sojourn += self.now - r.arrival
         if r.failed:
             self.faults["failed"] += 1
         if self.sink is not None:
@@ -1413,5 +1482,8 @@ class _Sim:
             "bandwidth_gibps": self.cfg.bandwidth_gibps * self.cfg.links,
             "layerwise": self.cfg.layerwise,
         }
+        if self.in_sys:
+            self.in_system(0)  # (a run that stopped early: integrate to its end)
         return SimResult(self.cfg, self.n, self.finished, dur, wall, pools, transfers, dict(self.faults),
-                         self.events, self.violation, tuple(self.samples))
+                         self.events, self.violation, tuple(self.samples), dict(self.why_rejected),
+                         dict(self.why_failed), self.sys_area / dur)
