@@ -59,11 +59,14 @@ def test_one_request_alone_pd_pays_coordination_transfer_and_one_step() -> None:
     assert rec.first_token == pytest.approx(0.040)
     assert rec.token_times == pytest.approx((0.040, 0.066, 0.070, 0.074))
     assert res.transfers["count"] == 1 and res.transfers["bytes"] == 512 * 2**20
+    # the seed's timeline, recorded: prefill 0-40 ms, coordination 2 ms, transfer 42-62 ms, one step
+    assert (rec.prefill_start, rec.transfer_start, rec.transfer_end) == pytest.approx((0.0, 0.042, 0.062))
 
 
 def test_one_request_alone_colocated_and_chunked_decode_on_the_spot() -> None:
     (rec,), _ = run([SimRequest("a", 0.0, 4096, 4)], seed_config("colocated"))
     assert rec.token_times == pytest.approx((0.040, 0.044, 0.048, 0.052))
+    assert rec.prefill_start == 0.0 and rec.transfer_start is None and rec.transfer_end is None
     # chunked: 4096 tokens in chunks of 512 = 8 steps of 40 ms before the first token
     (rec,), _ = run([SimRequest("a", 0.0, 4096, 2)], seed_config("chunked", chunk_tokens=512))
     assert rec.token_times == pytest.approx((0.320, 0.324))
@@ -128,6 +131,10 @@ def test_faults_cancels_and_preemption_keep_every_handoff_correct(tmp_path, deco
         assert (r.finish is not None) + r.rejected + r.cancelled + r.failed == 1
         if r.finish is not None:
             assert len(r.token_times) == r.output_len and list(r.token_times) == sorted(r.token_times)
+        if r.completed and r.output_len >= 2:  # the recorded handoff comes after the first token, and
+            # before the second unless a retry's recomputing prefill produced the second token itself
+            assert r.prefill_start <= r.first_token <= r.transfer_start < r.transfer_end
+            assert r.transfer_end <= r.token_times[1] or r.retries > 0
     # the written history reads back and a fresh monitor finds it complete and clean
     with open_history(str(path)) as reader:
         mon = Monitor.from_header(reader.header)

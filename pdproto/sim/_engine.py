@@ -264,7 +264,7 @@ class _Req:
         "id", "arrival", "prompt0", "out", "cancel_at", "cancel_phase", "gen", "plen", "produced",
         "times", "first", "state", "p", "d", "pblocks", "dblocks", "xid", "ticket", "retries",
         "cancelled", "rejected", "failed", "done_pre", "will_fail", "xbytes", "xready",
-        "pre_dur", "j", "ep", "di",
+        "pre_dur", "j", "ep", "di", "pstart", "xs", "xe",
     )
 
     def __init__(self, r: Any) -> None:
@@ -294,6 +294,11 @@ class _Req:
         self.j = 0  # decode step of its instance it joined at
         self.ep = 0  # epoch: grows each time it leaves a running set
         self.di: Any = None  # the instance it decodes on
+        # for the record: when the prefill that gave the first token started,
+        # and when the transfer that handed it to D started and landed
+        self.pstart: float | None = None
+        self.xs: float | None = None
+        self.xe: float | None = None
 
 
 class _Inst:
@@ -376,7 +381,8 @@ def simulate(
     """Run ``requests`` (``SimRequest``-like, sorted by arrival) through the
     arm ``config`` describes.  Each finished request goes to ``sink`` as a
     ``RequestRecord`` (built by ``record``, default
-    :class:`pdproto.sim._metrics.RequestRecord`); with ``metrics`` (a
+    :class:`pdproto.sim._metrics.RequestRecord`, called with its fields as
+    keyword arguments); with ``metrics`` (a
     :class:`~pdproto.sim._metrics.Metrics`) the records go to its ``add``
     (unless ``sink`` is given) and the pools report to it too: gauges
     ``<pool>.queue`` and ``<pool>.kv_blocks``, busy time per instance,
@@ -860,7 +866,7 @@ class _Sim:
                 id=r.id, arm=self.cfg.arm, arrival=r.arrival, prompt_len=r.prompt0, output_len=r.out,
                 first_token=r.first, finish=self.now if not (r.rejected or r.failed or r.cancelled) else None,
                 token_times=tuple(r.times), rejected=r.rejected, cancelled=r.cancelled, failed=r.failed,
-                retries=r.retries,
+                retries=r.retries, prefill_start=r.pstart, transfer_start=r.xs, transfer_end=r.xe,
             ))
 
     # -- steps ------------------------------------------------------------------
@@ -932,6 +938,8 @@ class _Sim:
             else:
                 r.dblocks = blocks  # type: ignore[assignment]
             r.state = _PRE
+            if r.first is None:
+                r.pstart = self.now
             tokens += r.plen
             sq += r.plen * r.plen
             pre.append(r)
@@ -1144,6 +1152,8 @@ class _Sim:
             r.dblocks = self.alloc(inst, need)  # type: ignore[assignment]
             r.state = _PRE
             r.done_pre = 0
+            if r.first is None:
+                r.pstart = self.now
             pref.append(r)
             room -= 1
             if r.cancel_phase == "prefill":
@@ -1300,6 +1310,8 @@ class _Sim:
         r.state = _XFER
         r.xid = f"x-{r.id}-{r.gen}"
         r.xready = self.now
+        if r.xe is None:
+            r.xs = self.now
         if self.ev_on:
             self.emit(TransferStart.unchecked(r.xid, r.ticket, r.id, r.gen, r.p.name, tuple(r.pblocks), r.d.name,
                                     tuple(r.dblocks)), r)
@@ -1376,6 +1388,8 @@ class _Sim:
             self.faults["transfer_failures"] += 1
             self.xfer_fail(r, timeout=False)
             return
+        if r.xe is None:
+            r.xe = self.now
         ev = self.ev_on
         p, d = r.p, r.d
         if ev:

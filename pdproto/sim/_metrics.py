@@ -88,6 +88,12 @@ class RequestRecord:
         cancelled: cancelled by the client.
         failed: aborted by the server (a fault it could not retry around).
         retries: handoff attempts beyond the first.
+        prefill_start: when the prefill that produced the first token started
+            (None if no prefill started).
+        transfer_start, transfer_end: PD only, the transfer that handed the
+            first token's request to D: when it started (after P's
+            coordination) and when it landed (None if it never did).  The
+            seed asks for these beside the first token and the first gap.
 
     A record is *completed* when it is none of rejected, cancelled, failed
     and has a finish time.
@@ -105,6 +111,9 @@ class RequestRecord:
     cancelled: bool = False
     failed: bool = False
     retries: int = 0
+    prefill_start: float | None = None
+    transfer_start: float | None = None
+    transfer_end: float | None = None
 
     @property
     def completed(self) -> bool:
