@@ -145,3 +145,22 @@ def test_a_trace_replays_its_own_requests_and_rescales_to_a_rate(capsys: pytest.
     code, faster = run_json(capsys, "--trace", trace, "--arm", "pd", "--rate", str(2 * data["workload"]["rate"]))
     assert faster["workload"]["rate"] == pytest.approx(2 * data["workload"]["rate"])
     assert faster["runs"][0]["result"]["duration_s"] < data["runs"][0]["result"]["duration_s"]
+
+
+SLOW_LINK_SWEEP = ["--sweep", "--budget", "2", "--arm", "pd", "--rate", "1", "--sweep-requests", "40",
+                   "--sweep-span", "3", "--prompt", "fixed:2000", "--output", "fixed:20", "--bandwidth", "1"]
+
+
+def test_sweep_prints_the_section_06_signals_at_each_max_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    code, data = run_json(capsys, *SLOW_LINK_SWEEP)
+    assert code == 0
+    (row,) = data["rows"]
+    assert [s["signal"] for s in row["signals"] if s["fired"]] == ["transfer-queueing-growing"]
+    assert main(["simulate", *SLOW_LINK_SWEEP]) == 0
+    out = capsys.readouterr().out
+    assert "Section 06 signals (PD) at each configuration's max rate" in out
+    assert f"pd 1P1D tp1/1 at {row['max_rate']:.2f} rps" in out
+    assert "YES transfer-queueing-growing" in out and "-> transfer queueing grows" in out
+    assert "no  p-queue-growing-d-idle" not in out  # only the fired ones, or "none fired"
+    assert main(["simulate", *SLOW_LINK_SWEEP[:-1], "0.5"]) == 0  # so slow that transfers never overlap
+    assert "none fired" in capsys.readouterr().out

@@ -448,13 +448,7 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
             console.print(Text(f"  {v['invariant']}: request {v['request']} at t = {v['time_s']:.6f} s: {v['message']}",
                                style="bold red"))
         console.print(Text("  Section 06 signals (PD):", style="bold"))
-        for sg in r["signals"]:
-            if sg["fired"]:
-                ev = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in sg["evidence"].items())
-                console.print(Text(f"    YES {sg['signal']}: {ev}", style="bold"))
-                console.print(f"        -> {esc(sg['direction'])}")
-            else:
-                console.print(f"    no  {sg['signal']}")
+        _print_signals(console, r["signals"], "    ")
     v = _verdict(runs)
     per = [r["metrics"].get("goodput_per_device") or 0.0 for r in runs if r["result"]["violation"] is None]
     if v is not None and len(per) > 1 and min(per) > 0 and max(per) <= 1.01 * min(per):
@@ -464,6 +458,23 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
         extra = "; ".join(f"PD/{k[6:]} = {x:.2f}×" for k, x in v.items() if k.startswith("pd_vs_") and x is not None)
         console.print(Text(f"Best goodput per device: {v['best']} ({_f(v['goodput_per_device'], 3)} rps/device)"
                            + (f"; {extra}" if extra else ""), style="bold"))
+
+
+def _print_signals(console: Any, sigs: Any, indent: str, *, fired_only: bool = False) -> None:
+    """The section 06 signals, one line each: ``YES`` with its evidence and the
+    seed's direction, or ``no`` (with ``fired_only``: only the fired ones, or
+    "none fired")."""
+    from rich.text import Text
+
+    if fired_only and not any(sg["fired"] for sg in sigs):
+        console.print(f"{indent}none fired")
+    for sg in sigs:
+        if sg["fired"]:
+            ev = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in sg["evidence"].items())
+            console.print(Text(f"{indent}YES {sg['signal']}: {ev}", style="bold"))
+            console.print(f"{indent}    -> {esc(sg['direction'])}")
+        elif not fired_only:
+            console.print(f"{indent}no  {sg['signal']}")
 
 
 def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: Any, table: Any) -> int:
@@ -527,6 +538,15 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
     console.print(t)
     if rows:
         console.print(Text(f"Pick: {rows[0].config.label()} ({rows[0].per_device:.3f} rps per device)", style="bold"))
+    pd_rows = [r for r in rows if r.config.arm == "pd"]
+    if pd_rows:
+        console.print(Text("Section 06 signals (PD) at each configuration's max rate:", style="bold"))
+    for r in pd_rows:
+        console.print(f"  {esc(r.config.label())} at {r.max_rate:.2f} rps:")
+        if r.signals:
+            _print_signals(console, r.signals, "    ", fired_only=True)
+        else:
+            console.print("    no rate met the target: no run to read")
     for path in plots:
         console.print(f"  plot: {esc(path)}")
     return EXIT_OK

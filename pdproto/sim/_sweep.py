@@ -54,6 +54,9 @@ class SweepRow:
     goodput: float  # good requests/s at that rate
     devices: int
     probes: tuple[RatePoint, ...] = ()
+    #: the section 06 signals (:func:`signals`) of the probe at ``max_rate``
+    #: (empty for the colocated arms, or when no rate met the target)
+    signals: tuple[dict[str, Any], ...] = ()
 
     @property
     def per_device(self) -> float:
@@ -75,6 +78,7 @@ class SweepRow:
             "goodput": self.goodput,
             "goodput_per_device": self.per_device,
             "probes": [attrs.asdict(p) for p in self.probes],
+            "signals": list(self.signals),
         }
 
 
@@ -101,11 +105,13 @@ def max_rate(spec: WorkloadSpec, config: SimConfig, slo: SLO, *, target: float =
     if not 0 < target <= 1:
         raise UsageError("target", target, "an attainment in (0, 1]")
     probes: list[RatePoint] = []
+    diagnostics: dict[float, tuple[dict[str, Any], ...]] = {}
 
     def ok(rate: float) -> bool:
-        p, _m, _r = run_once(spec, config, rate, slo, n=max(n, int(rate * span)), seed=seed, monitor=monitor,
-                             table=table)
+        p, _m, res = run_once(spec, config, rate, slo, n=max(n, int(rate * span)), seed=seed, monitor=monitor,
+                              table=table)
         probes.append(p)
+        diagnostics[rate] = tuple(signals(res))
         return p.attainment >= target
 
     lo, hi = 0.0, start
@@ -129,7 +135,7 @@ def max_rate(spec: WorkloadSpec, config: SimConfig, slo: SLO, *, target: float =
             else:
                 hi = mid
     good = max((p.goodput for p in probes if p.rate == lo), default=0.0)
-    return SweepRow(config, lo, good, config.used_devices, tuple(probes))
+    return SweepRow(config, lo, good, config.used_devices, tuple(probes), diagnostics.get(lo, ()))
 
 
 def splits(budget: int, base: SimConfig, tps: Sequence[int] = (1,), *, arms: Iterable[str] = ("colocated", "chunked", "pd")

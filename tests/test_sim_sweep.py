@@ -1,0 +1,37 @@
+"""The P:D picker's library side: max_rate keeps the section 06 signals of its
+answer, and splits enumerates every configuration of a budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdproto.sim._engine import SimConfig
+from pdproto.sim._metrics import SLO
+from pdproto.sim._sweep import SweepRow, max_rate
+from pdproto.sim._workload import WorkloadSpec
+
+SLOW_LINK = SimConfig(arm="pd", n_p=1, n_d=1, devices=2, bandwidth_gibps=1.0)
+SPEC = WorkloadSpec.poisson(1.0, 2000, 20)
+
+
+def test_max_rate_keeps_the_signals_of_the_probe_it_returns() -> None:
+    row = max_rate(SPEC, SLOW_LINK, SLO.parse("ttft:500,tpot:50"), n=40, span=3.0)
+    assert row.max_rate > 0
+    assert [s["signal"] for s in row.signals] == [
+        "p-queue-growing-d-idle", "d-kv-full-p-accepting", "transfer-queueing-growing", "pools-take-turns-idling"]
+    fired = {s["signal"] for s in row.signals if s["fired"]}
+    assert fired == {"transfer-queueing-growing"}  # 1 GiB/s for 2,000-token prompts
+    assert row.to_dict()["signals"] == list(row.signals)
+
+
+def test_colocated_rows_and_old_callers_have_no_signals() -> None:
+    import attrs
+
+    row = max_rate(SPEC, attrs.evolve(SLOW_LINK, arm="colocated"), SLO.parse("ttft:500"), n=40, span=3.0)
+    assert row.signals == () and row.to_dict()["signals"] == []
+    assert SweepRow(SLOW_LINK, 1.0, 1.0, 2).signals == ()  # the field has a default
+
+
+def test_no_rate_meeting_the_target_keeps_no_signals() -> None:
+    row = max_rate(SPEC, SLOW_LINK, SLO.parse("ttft:1"), n=20, span=1.0, max_probes=3)
+    assert row.max_rate == 0 and row.signals == ()
