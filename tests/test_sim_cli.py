@@ -164,3 +164,24 @@ def test_sweep_prints_the_section_06_signals_at_each_max_rate(capsys: pytest.Cap
     assert "no  p-queue-growing-d-idle" not in out  # only the fired ones, or "none fired"
     assert main(["simulate", *SLOW_LINK_SWEEP[:-1], "0.5"]) == 0  # so slow that transfers never overlap
     assert "none fired" in capsys.readouterr().out
+
+
+def test_sweep_takes_a_latency_table_for_one_tp_size(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = tmp_path / "steps.csv"
+    table.write_text("phase,tokens,ms\nprefill,1000,100\ndecode,1,20\ndecode,64,40\n")  # slower than the roofline
+    sweep = ["--sweep", "--budget", "2", "--sweep-requests", "40", "--sweep-span", "3", "--rate", "2",
+             "--prompt", "fixed:500", "--output", "fixed:20"]
+    code, roof = run_json(capsys, *sweep)
+    code2, fitted = run_json(capsys, *sweep, "--latency-table", str(table))
+    assert code == code2 == 0
+    rates = {r["label"]: r["max_rate"] for r in roof["rows"]}
+    assert {r["label"] for r in fitted["rows"]} == set(rates)
+    for r in fitted["rows"]:
+        assert 0 < r["max_rate"] < rates[r["label"]]
+    at_rate = ["--sweep", "--at-rate", "20", "--max-devices", "3", "--arm", "pd", "--sweep-requests", "40",
+               "--sweep-span", "3", "--prompt", "fixed:500", "--output", "fixed:20"]
+    assert run_json(capsys, *at_rate)[1]["budget"] == 2
+    assert run_json(capsys, *at_rate, "--latency-table", str(table))[1]["budget"] == 3  # 50 ms a prefill: 2 P
+    assert main(["simulate", "--sweep", "--tps", "1,2", "--latency-table", str(table)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--latency-table" in err and "one TP size" in err and "--tps N" in err

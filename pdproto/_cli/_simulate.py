@@ -78,7 +78,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--chunk-tokens", type=_POS, default=512, metavar="N", help="chunked prefill step budget "
                    "(default 512)")
     s.add_argument("--latency-table", metavar="CSV", help="piecewise-linear step times (phase,tokens,ms) instead of "
-                   "the roofline")
+                   "the roofline (with --sweep: one --tps size)")
 
     n = p.add_argument_group("KV transfer (PD)")
     n.add_argument("--bandwidth", type=float, default=25.0, metavar="GIBPS", help="per link, GiB/s (default 25)")
@@ -478,12 +478,13 @@ def _print_signals(console: Any, sigs: Any, indent: str, *, fired_only: bool = F
 
 
 def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: Any, table: Any) -> int:
-    if table is not None:
-        raise UsageError("--latency-table", args.latency_table, "no table with --sweep (it compares TP sizes; "
-                         "the roofline scales with TP)")
     from ..sim._sweep import cheapest, sweep
 
     tps = _tps(args.tps)
+    if table is not None and len(tps) > 1:
+        raise UsageError("--latency-table", args.latency_table, f"one TP size with --sweep --latency-table (the "
+                         f"table gives one TP's step times; --tps {args.tps} compares {len(tps)}): --tps N, or "
+                         f"the roofline to compare TP sizes")
     if not (args.sweep_span > 0 and args.sweep_span < 1e9):
         raise UsageError("--sweep-span", args.sweep_span, "a number of seconds > 0")
     arms = ("colocated", "chunked", "pd") if args.arm == "all" else (args.arm,)
@@ -492,7 +493,7 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
             raise UsageError("--at-rate", args.at_rate, "a rate in requests/s > 0")
         budget, tried = cheapest(spec, base, args.at_rate, slo, max_devices=args.max_devices, tps=tps,
                                  target=args.target, n=args.sweep_requests, seed=args.seed, arms=arms,
-                                 span=args.sweep_span)
+                                 span=args.sweep_span, table=table)
         data = {"mode": "cheapest", "rate": args.at_rate, "budget": budget,
                 "configs": [{"label": c.label(), "devices": c.used_devices, "attainment": p.attainment,
                              "goodput": p.goodput} for c, p in tried]}
@@ -516,7 +517,7 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
         return EXIT_OK
     budget = args.budget or 4
     rows = sweep(spec, base, budget, slo, tps=tps, target=args.target, n=args.sweep_requests, seed=args.seed,
-                 arms=arms, span=args.sweep_span)
+                 arms=arms, span=args.sweep_span, table=table)
     plots = _sweep_plots(args.plot, rows) if args.plot else []
     if args.json:
         print_json({"mode": "budget", "budget": budget, "slo_ms": slo.to_ms(), "target": args.target,
@@ -525,7 +526,8 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
     from rich.table import Table
     from rich.text import Text
 
-    console.print(Text(f"P:D picker — {budget} device(s), {args.model} on {args.device}, SLO {slo} ms at "
+    steps = f", step times from {args.latency_table}" if table is not None else ""
+    console.print(Text(f"P:D picker — {budget} device(s), {args.model} on {args.device}{steps}, SLO {slo} ms at "
                        f"{args.target:g} attainment ({args.sweep_requests} requests per probe)", style="bold"))
     t = Table(title="Highest rate (req/s) meeting the target, found by binary search", title_justify="left")
     for col in ("configuration", "devices", "copies", "max rate", "per device", "vs colocated"):

@@ -163,9 +163,9 @@ def splits(budget: int, base: SimConfig, tps: Sequence[int] = (1,), *, arms: Ite
     return out
 
 
-def _fits(config: SimConfig) -> bool:
+def _fits(config: SimConfig, table: Any = None) -> bool:
     try:
-        simulate((), config, monitor=False)
+        simulate((), config, monitor=False, table=table)
     except UsageError:
         return False
     return True
@@ -173,16 +173,19 @@ def _fits(config: SimConfig) -> bool:
 
 def sweep(spec: WorkloadSpec, base: SimConfig, budget: int, slo: SLO, *, tps: Sequence[int] = (1,),
           target: float = 0.9, n: int = 400, seed: int = 0, arms: Iterable[str] = ("colocated", "chunked", "pd"),
-          progress: Callable[[SweepRow], None] | None = None, span: float = 20.0) -> list[SweepRow]:
+          progress: Callable[[SweepRow], None] | None = None, span: float = 20.0, table: Any = None
+          ) -> list[SweepRow]:
     """:func:`max_rate` of every configuration of :func:`splits`, best
     per-device goodput first.  Configurations whose weights do not fit are
-    left out."""
+    left out.  ``table`` (a :class:`~pdproto.sim._latency.PiecewiseLinear`)
+    replaces the roofline for every instance, whatever its TP: give it with
+    a single TP size in ``tps``."""
     rows = []
     start = spec.rate or 1.0
     for cfg in splits(budget, base, tps, arms=arms):
-        if not _fits(cfg):
+        if not _fits(cfg, table):
             continue
-        row = max_rate(spec, cfg, slo, target=target, n=n, seed=seed, start=start, span=span)
+        row = max_rate(spec, cfg, slo, target=target, n=n, seed=seed, start=start, span=span, table=table)
         rows.append(row)
         if progress is not None:
             progress(row)
@@ -192,18 +195,18 @@ def sweep(spec: WorkloadSpec, base: SimConfig, budget: int, slo: SLO, *, tps: Se
 
 def cheapest(spec: WorkloadSpec, base: SimConfig, rate: float, slo: SLO, *, max_devices: int = 16,
              tps: Sequence[int] = (1,), target: float = 0.9, n: int = 400, seed: int = 0,
-             arms: Iterable[str] = ("colocated", "chunked", "pd"), span: float = 20.0,
+             arms: Iterable[str] = ("colocated", "chunked", "pd"), span: float = 20.0, table: Any = None,
              ) -> tuple[int, list[tuple[SimConfig, RatePoint]]]:
     """The smallest budget (1..``max_devices``) with a configuration meeting
     ``target`` at ``rate``; returns it (0 when none) and the configurations
-    tried at that budget with their points."""
+    tried at that budget with their points.  ``table``: as in :func:`sweep`."""
     arms = tuple(arms)
     for budget in range(1, max_devices + 1):
         tried = []
         for cfg in splits(budget, base, tps, arms=arms):
-            if not _fits(cfg):
+            if not _fits(cfg, table):
                 continue
-            p, _m, _r = run_once(spec, cfg, rate, slo, n=max(n, int(rate * span)), seed=seed)
+            p, _m, _r = run_once(spec, cfg, rate, slo, n=max(n, int(rate * span)), seed=seed, table=table)
             tried.append((cfg, p))
         if any(p.attainment >= target for _c, p in tried):
             tried.sort(key=lambda cp: -cp[1].attainment)
