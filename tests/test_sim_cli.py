@@ -185,3 +185,22 @@ def test_sweep_takes_a_latency_table_for_one_tp_size(tmp_path, capsys: pytest.Ca
     assert main(["simulate", "--sweep", "--tps", "1,2", "--latency-table", str(table)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--latency-table" in err and "one TP size" in err and "--tps N" in err
+
+
+def test_goodput_lost_to_faults_is_never_a_negative_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    faults = ["--arm", "pd", "--transfer-fail-rate", "0.05", "--cancel-rate", "0.1", "--requests", "100"]
+    code, data = run_json(capsys, *faults)
+    lost = data["runs"][0]["goodput_lost_to_faults"]
+    assert code == 0 and -1e-3 < lost["lost"] < 0  # the retries shift the timing: a hair more goodput
+    assert main(["simulate", *faults]) == 0
+    out = capsys.readouterr().out
+    assert "goodput lost to faults: 0 rps (" in out and "-0.0" not in out and "-0%" not in out
+
+
+def test_numbers_never_print_as_negative_zero() -> None:
+    from pdproto._cli._simulate import _f, _lost
+
+    assert [_f(-2e-5, 3), _f(-0.0), _f(-0.04), _f(-1.26), _f(1234.5)] == ["0.000", "0.0", "0.0", "-1.3", "1,234.5"]
+    assert _lost({"lost": -0.2, "lost_share": -0.05, "goodput_without_faults": 3.6}).startswith("0 rps (0.200 more")
+    assert _lost({"lost": 0.2, "lost_share": 0.05, "goodput_without_faults": 3.6}) == (
+        "0.200 rps (5.0%; 3.600 without faults)")

@@ -354,8 +354,20 @@ def _f(x: Any, digits: int = 1) -> str:
     if x is None:
         return "—"
     if isinstance(x, float):
-        return f"{x:,.{digits}f}"
+        return f"{x if round(x, digits) else 0.0:,.{digits}f}"  # never a negative zero
     return f"{x:,}"
+
+
+def _lost(lost: dict[str, Any]) -> str:
+    """The goodput lost to faults in words: 0 when it rounds to zero (never "-0.000"), and a gain by
+    chance (the faults change the timing) said as such."""
+    without = f"{_f(lost['goodput_without_faults'], 3)} without faults"
+    x = lost["lost"]
+    if round(x, 3) == 0:
+        return f"0 rps ({without})"
+    if x < 0:
+        return f"0 rps ({_f(-x, 3)} more with them, by the changed timing; {without})"
+    return f"{_f(x, 3)} rps ({_f(100 * lost['lost_share'], 1)}%; {without})"
 
 
 def _p(stats: dict[str, Any], key: str) -> Any:
@@ -438,8 +450,7 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
                       f"cancelled, {fl['failed']} failed, {fl['rejected']} rejected")
         lost = r.get("goodput_lost_to_faults")
         if lost:
-            console.print(f"  goodput lost to faults: {_f(lost['lost'], 3)} rps ({lost['lost_share']:.1%}; "
-                          f"{_f(lost['goodput_without_faults'], 3)} without faults)")
+            console.print(f"  goodput lost to faults: {_lost(lost)}")
         mon = "off" if args.no_monitor else (
             f"{res['events']:,} events judged, no violation" if res["violation"] is None else "VIOLATION")
         console.print(f"  monitor: {mon}" + (f"; history written to {esc(args.history)}" if args.history else ""))
