@@ -135,7 +135,8 @@ def test_plot_writes_the_pictures(tmp_path, capsys: pytest.CaptureFixture[str]) 
     assert names == sorted(["cdf.png", "occupancy-colocated.png", "occupancy-chunked.png", "occupancy-pd.png",
                             "timeline-colocated.png", "timeline-chunked.png", "timeline-pd.png"])
     assert sorted(pathlib.Path(p).name for p in data["plots"]) == names
-    assert main(["simulate", *SMALL, "--plot", str(tmp_path / "missing")]) == 2
+    code, data = run_json(capsys, *SMALL, "--arm", "pd", "--plot", str(tmp_path / "new" / "dir"))
+    assert code == 0 and len(data["plots"]) == 3 and all(pathlib.Path(p).is_file() for p in data["plots"])
 
 
 def test_a_trace_replays_its_own_requests_and_rescales_to_a_rate(capsys: pytest.CaptureFixture[str]) -> None:
@@ -204,3 +205,26 @@ def test_numbers_never_print_as_negative_zero() -> None:
     assert _lost({"lost": -0.2, "lost_share": -0.05, "goodput_without_faults": 3.6}).startswith("0 rps (0.200 more")
     assert _lost({"lost": 0.2, "lost_share": 0.05, "goodput_without_faults": 3.6}) == (
         "0.200 rps (5.0%; 3.600 without faults)")
+
+
+def test_plot_makes_its_directory_or_says_why_not(tmp_path, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import pdproto._cli._simulate as cli
+
+    drawn = []
+    monkeypatch.setattr(cli, "_plots", lambda directory, runs, slo: drawn.append(directory) or [])
+    monkeypatch.setattr(cli, "_sweep_plots", lambda directory, rows: drawn.append(directory) or [])
+    target = tmp_path / "a" / "b"
+    assert main(["simulate", *SMALL, "--arm", "pd", "--plot", str(target)]) == 0
+    assert target.is_dir() and drawn == [str(target)]
+    capsys.readouterr()
+    afile = tmp_path / "file"
+    afile.write_text("")
+    for path, needle in ((afile, "this path is a file"), (afile / "sub", "a directory that can be made")):
+        assert main(["simulate", *SMALL, "--plot", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--plot" in err and str(path) in err and needle in err
+    bad = tmp_path / "not-made"
+    assert main(["simulate", *SMALL, "--plot", str(bad), "--pd", "0:1"]) == 2  # bad input: nothing made
+    assert not bad.exists()
+    assert main(["simulate", "--sweep", "--at-rate", "2", "--plot", str(target)]) == 2
+    assert "no --plot with --sweep --at-rate" in capsys.readouterr().err

@@ -300,6 +300,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
         return _sweep(args, console, spec, base, slo, table)
     if args.history and all(c.arm != "pd" for c in configs):
         raise UsageError("--history", args.history, "a PD run (--arm pd or all): only PD has handoffs")
+    if args.plot:
+        _plot_dir(args.plot, create=True)
     history = None
     runs = []
     try:
@@ -502,6 +504,9 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
     if args.at_rate is not None:
         if not (args.at_rate > 0 and args.at_rate < 1e9):
             raise UsageError("--at-rate", args.at_rate, "a rate in requests/s > 0")
+        if args.plot:
+            raise UsageError("--plot", args.plot, "no --plot with --sweep --at-rate (it draws nothing; plots come "
+                             "with a single run or --sweep --budget)")
         budget, tried = cheapest(spec, base, args.at_rate, slo, max_devices=args.max_devices, tps=tps,
                                  target=args.target, n=args.sweep_requests, seed=args.seed, arms=arms,
                                  span=args.sweep_span, table=table)
@@ -527,6 +532,8 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
                 console.print(t)
         return EXIT_OK
     budget = args.budget or 4
+    if args.plot:
+        _plot_dir(args.plot, create=True)
     rows = sweep(spec, base, budget, slo, tps=tps, target=args.target, n=args.sweep_requests, seed=args.seed,
                  arms=arms, span=args.sweep_span, table=table)
     plots = _sweep_plots(args.plot, rows) if args.plot else []
@@ -565,11 +572,20 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
     return EXIT_OK
 
 
-def _plot_dir(directory: str) -> str:
+def _plot_dir(directory: str, *, create: bool = False) -> str:
+    """Check ``directory`` for --plot: a directory, or a path where one can be
+    made; with ``create`` make it (with its parents)."""
     import os
 
-    if not os.path.isdir(directory):
-        raise UsageError("--plot", directory, "an existing directory")
+    if not directory or "\0" in directory:
+        raise UsageError("--plot", directory, "a directory path")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError("--plot", directory, "a directory (this path is a file)")
+    if create:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise UsageError("--plot", directory, f"a directory that can be made ({exc.strerror})") from None
     return directory
 
 
