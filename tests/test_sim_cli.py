@@ -228,3 +228,20 @@ def test_plot_makes_its_directory_or_says_why_not(tmp_path, monkeypatch, capsys:
     assert not bad.exists()
     assert main(["simulate", "--sweep", "--at-rate", "2", "--plot", str(target)]) == 2
     assert "no --plot with --sweep --at-rate" in capsys.readouterr().err
+
+
+def test_the_report_says_why_requests_were_rejected_or_failed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL, "--kv-blocks", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    for label in ("colocated 2x tp1", "chunked 2x tp1", "pd 1P1D tp1/1"):
+        assert f"{label}: 120 rejected at admission (120 prompt larger than an instance's KV)" in out
+    assert "TTFT p50 — — —" in out.replace("│", "").replace("  ", " ")  # no sample, no number
+    argv = ["simulate", *SMALL, "--arm", "pd", "--transfer-fail-rate", "0.6", "--max-retries", "1"]
+    code, data = run_json(capsys, *argv[1:])
+    failed = data["runs"][0]["result"]["faults"]["failed"]
+    assert code == 0 and failed > 0
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{failed} failed ({failed} transfer failed or timed out, --max-retries spent)" in out
+    assert main(["simulate", *SMALL, "--arm", "pd"]) == 0
+    assert "rejected at admission" not in capsys.readouterr().out

@@ -360,6 +360,21 @@ def _f(x: Any, digits: int = 1) -> str:
     return f"{x:,}"
 
 
+def _why(result: dict[str, Any]) -> str:
+    """Why a run rejected or failed requests: counts by the engine's reason."""
+    parts = []
+    for key, what in (("rejections", "rejected at admission"), ("failures", "failed")):
+        by = dict(result.get(key) or {})
+        total = result["faults"]["rejected" if key == "rejections" else "failed"]
+        if total > sum(by.values()):
+            # the engine counts a PD request whose last retry's transfer failed without a reason
+            by["transfer failed or timed out, --max-retries spent"] = total - sum(by.values())
+        if by:
+            reasons = ", ".join(f"{n:,} {why}" for why, n in sorted(by.items(), key=lambda kv: (-kv[1], kv[0])))
+            parts.append(f"{sum(by.values()):,} {what} ({reasons})")
+    return "; ".join(parts)
+
+
 def _lost(lost: dict[str, Any]) -> str:
     """The goodput lost to faults in words: 0 when it rounds to zero (never "-0.000"), and a gain by
     chance (the faults change the timing) said as such."""
@@ -407,8 +422,8 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
     def row(name: str, fn: Any) -> None:
         t.add_row(name, *[fn(r["metrics"]) for r in runs])
 
-    def pct(key: str, q: str) -> Any:
-        return lambda m: _f(m[key].get(q))
+    def pct(key: str, q: str) -> Any:  # "—" when no request gave a sample (all rejected, say)
+        return lambda m: _f(m[key].get(q) if m[key].get("count") else None)
 
     row("devices (copies)", lambda m: f"{m['devices']} ({m['weight_copies']})")
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("first_gap_ms", "first gap"),
@@ -422,6 +437,10 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
     row("SLO attainment", lambda m: _f(m.get("attainment"), 3))
     row("rejected/failed/cancel", lambda m: f"{m['rejected']}/{m['failed']}/{m['cancelled']}")
     console.print(t)
+    for r in runs:
+        why = _why(r["result"])
+        if why:
+            console.print(f"  {esc(r['label'])}: {esc(why)}")
     pools = Table(title="Pools", title_justify="left")
     pools.add_column("")
     cols = [(r, name, pool) for r in runs for name, pool in r["result"]["pools"].items()]
