@@ -84,7 +84,7 @@ def test_a_violation_exits_1_naming_the_request_and_time(monkeypatch, capsys: py
         (["--model", "gpt-9"], "model"),
         (["--rate", "-2"], "rate"),
         (["--arrival", "gamma"], "--cv"),
-        (["--latency-table", "/nonexistent.csv"], "latency table"),
+        (["--latency-table", "/nonexistent.csv"], "--latency-table"),
         (["--arm", "colocated", "--history", "h.jsonl"], "--history"),
         (["--trace", "/nonexistent.csv"], "nonexistent"),
         (["--tp-p", "1", "--model", "llama-3-70b"], "weights"),
@@ -245,3 +245,24 @@ def test_the_report_says_why_requests_were_rejected_or_failed(capsys: pytest.Cap
     assert f"{failed} failed ({failed} transfer failed or timed out, --max-retries spent)" in out
     assert main(["simulate", *SMALL, "--arm", "pd"]) == 0
     assert "rejected at admission" not in capsys.readouterr().out
+
+
+SAMPLE_TRACE = str(pathlib.Path(__file__).resolve().parent.parent / "pdproto" / "sim" / "traces" / "sample.jsonl")
+
+
+@pytest.mark.parametrize(
+    "argv, starts",
+    [
+        (["--trace", SAMPLE_TRACE, "--time-scale", "0"], "--time-scale: 0.0 is not allowed"),
+        (["--trace", SAMPLE_TRACE, "--trace-format", "foo"], "--trace-format: 'foo' is not allowed; expected one of"),
+        (["--latency-table", "/nonexistent.csv"], "--latency-table: '/nonexistent.csv' is not allowed"),
+        (["--prompt", "trace"], "--prompt: 'trace' is not allowed; expected a trace file given with --trace"),
+        (["--output", "trace"], "--output: 'trace' is not allowed; expected a trace file given with --trace"),
+        (["--model", "llama-3-70b"], "--tp: 1 is not allowed; expected a TP large enough"),
+        (["--model", "llama-3-70b", "--tp", "2"], "--tp-p/--tp-d: '1/1' is not allowed; expected a TP large enough"),
+    ],
+)
+def test_bad_input_names_the_flag_typed(argv: list[str], starts: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--requests", "5", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"pdproto simulate: error: {starts}"), err

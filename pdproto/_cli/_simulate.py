@@ -180,6 +180,10 @@ def _workload(args: argparse.Namespace) -> Any:
         arrival = Arrival.fixed(rate if rate is not None else 4.0)
     else:
         arrival = Arrival.trace(args.time_scale)
+    for flag, value in (("--prompt", args.prompt), ("--output", args.output)):
+        if not trace and value is not None and value.strip().lower() == "trace":
+            raise UsageError(flag, value, "a trace file given with --trace for lengths from a trace (or fixed:N, "
+                             "uniform:LO,HI, lognormal:MEDIAN,SIGMA[,LO,HI], empirical:A,B,...)")
     default_len = "trace" if trace else None
     prompt = parse_lengths(args.prompt or default_len or DEFAULT_PROMPT, "--prompt")
     output = parse_lengths(args.output or default_len or DEFAULT_OUTPUT, "--output")
@@ -208,6 +212,7 @@ _FLAG = {
     "queue_timeout_s": "--queue-timeout", "model": "--model", "device": "--device", "tp": "--tp",
     "max_retries": "--max-retries", "rate": "--rate", "cancel rate": "--cancel-rate",
     "cancel delay": "--cancel-delay", "time scale": "--time-scale", "cv": "--cv", "burstiness": "--burstiness",
+    "time_scale": "--time-scale", "trace format": "--trace-format", "latency table": "--latency-table",
 }
 
 
@@ -280,6 +285,21 @@ def _run_arm(spec: Any, cfg: Any, args: argparse.Namespace, slo: Any, table: Any
     return out
 
 
+def _check_fits(configs: list[Any], table: Any) -> None:
+    """Every arm's instances can be built (the weights fit, with room for KV) before any arm runs."""
+    from ..sim._engine import simulate
+
+    for cfg in configs:
+        try:
+            simulate((), cfg, monitor=False, table=table)
+        except UsageError as exc:
+            if exc.what not in ("tp", "kv_blocks"):
+                raise _renamed(exc) from None
+            flag, tp = ("--tp-p/--tp-d", f"{cfg.tp_p}/{cfg.tp_d}") if cfg.arm == "pd" else ("--tp", cfg.tp)
+            raise UsageError(flag, tp, f"{exc.allowed} (the {cfg.label()} arm; or another --model, --device)"
+                             ) from None
+
+
 def run(args: argparse.Namespace, console: Any) -> int:
     from ..sim._latency import PiecewiseLinear
     from ..sim._metrics import SLO
@@ -293,13 +313,14 @@ def run(args: argparse.Namespace, console: Any) -> int:
         slo = SLO.parse(args.slo)
         spec = _workload(args)
         base, configs = _configs(args)
+        table = PiecewiseLinear.from_csv(args.latency_table) if args.latency_table else None
     except UsageError as exc:
         raise _renamed(exc) from None
-    table = PiecewiseLinear.from_csv(args.latency_table) if args.latency_table else None
     if args.sweep:
         return _sweep(args, console, spec, base, slo, table)
     if args.history and all(c.arm != "pd" for c in configs):
         raise UsageError("--history", args.history, "a PD run (--arm pd or all): only PD has handoffs")
+    _check_fits(configs, table)
     if args.plot:
         _plot_dir(args.plot, create=True)
     history = None
