@@ -97,7 +97,7 @@ def test_a_violation_exits_1_naming_the_request_and_time(monkeypatch, capsys: py
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str],
                                           tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert main(["simulate", "--requests", "5", *argv]) == 2
+    assert main(["simulate", *([] if "--sweep" in argv else ["--requests", "5"]), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
 
@@ -266,3 +266,39 @@ def test_bad_input_names_the_flag_typed(argv: list[str], starts: str, capsys: py
     assert main(["simulate", "--requests", "5", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"pdproto simulate: error: {starts}"), err
+
+
+@pytest.mark.parametrize(
+    "argv, starts",
+    [
+        (["--cv", "2"], "--cv: 2.0 is not allowed; expected no --cv unless --arrival gamma (the arrival here is poisson)"),
+        (["--arrival", "fixed", "--burstiness", "2"], "--burstiness: 2.0 is not allowed; expected no --burstiness unless"),
+        (["--cancel-phase", "decode"], "--cancel-phase: 'decode' is not allowed; expected no --cancel-phase without"),
+        (["--cancel-rate", "0", "--cancel-phase", "queued"], "--cancel-phase: 'queued'"),
+        (["--cancel-delay", "1"], "--cancel-delay: 1.0 is not allowed; expected no --cancel-delay without --cancel-rate"),
+        (["--time-scale", "2"], "--time-scale: 2.0 is not allowed; expected no --time-scale unless a trace is replayed"),
+        (["--trace-format", "azure"], "--trace-format: 'azure' is not allowed; expected no --trace-format without"),
+        (["--tps", "1,2"], "--tps: '1,2' is not allowed; expected --tps only with --sweep"),
+        (["--budget", "4"], "--budget: 4 is not allowed; expected --budget only with --sweep"),
+        (["--sweep", "--requests", "9"], "--requests: 9 is not allowed; expected no --requests with --sweep"),
+        (["--sweep", "--history", "h.jsonl"], "--history: 'h.jsonl' is not allowed; expected no --history with --sweep"),
+        (["--sweep", "--max-devices", "3"], "--max-devices: 3 is not allowed; expected --max-devices only with --sweep "
+                                            "--at-rate"),
+        (["--sweep", "--at-rate", "2", "--budget", "3"], "--budget: 3 is not allowed"),
+    ],
+)
+def test_a_setting_nothing_reads_is_an_error(argv: list[str], starts: str, capsys: pytest.CaptureFixture[str],
+                                             tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"pdproto simulate: error: {starts}"), err
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran
+
+
+def test_the_settings_that_are_read_still_run(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--arrival", "gamma", "--cv", "2"], ["--arrival", "gamma", "--burstiness", "0.5"],
+                 ["--cancel-rate", "0.2", "--cancel-phase", "decode", "--cancel-delay", "0.1"],
+                 ["--trace", SAMPLE_TRACE, "--time-scale", "2", "--trace-format", "jsonl"]):
+        assert main(["simulate", "--requests", "40", "--arm", "pd", *argv]) == 0, argv
+    capsys.readouterr()

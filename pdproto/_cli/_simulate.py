@@ -38,7 +38,7 @@ def add_parser(sub: Any) -> None:
         ),
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--requests", "-n", type=_POS, default=2000, metavar="N", help="requests to simulate (default 2000)")
+    w.add_argument("--requests", "-n", type=_POS, metavar="N", help="requests to simulate (default 2000)")
     w.add_argument("--rate", type=float, default=None, metavar="RPS", help="mean arrival rate, requests/s (default 4; "
                    "with --trace: rescales the trace's time)")
     w.add_argument("--arrival", choices=("poisson", "gamma", "fixed", "trace"), default=None,
@@ -48,14 +48,14 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--trace", metavar="FILE", help="replay a trace (Azure, SplitwiseSim, Vidur, Mooncake CSV/JSONL, "
                    "or our JSONL)")
     w.add_argument("--trace-format", metavar="NAME", help="the trace's format (default: from its header)")
-    w.add_argument("--time-scale", type=float, default=1.0, metavar="X", help="trace replay: multiply its times by X")
+    w.add_argument("--time-scale", type=float, metavar="X", help="trace replay: multiply its times by X")
     w.add_argument("--prompt", metavar="DIST", help=f"prompt lengths: fixed:N, uniform:LO,HI, lognormal:MEDIAN,SIGMA"
                    f"[,LO,HI], empirical:A,B,..., trace (default {DEFAULT_PROMPT}; trace with --trace)")
     w.add_argument("--output", metavar="DIST", help=f"output lengths, same forms (default {DEFAULT_OUTPUT})")
     w.add_argument("--cancel-rate", type=float, default=0.0, metavar="P", help="share of requests the client cancels")
     w.add_argument("--cancel-phase", choices=("queued", "prefill", "transfer", "decode"),
                    help="the phase a cancel waits for (default: any, at --cancel-delay after arrival)")
-    w.add_argument("--cancel-delay", type=float, default=0.0, metavar="S", help="earliest cancel, s after arrival")
+    w.add_argument("--cancel-delay", type=float, metavar="S", help="earliest cancel, s after arrival")
     w.add_argument("--seed", type=_INT, default=0, metavar="N", help="random seed (default 0)")
 
     s = p.add_argument_group("system")
@@ -107,14 +107,14 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--target", type=float, default=0.9, metavar="X", help="SLO attainment target (default 0.9)")
     g.add_argument("--sweep", action="store_true", help="the P:D picker: max rate meeting --target per configuration")
     g.add_argument("--budget", type=_POS, metavar="N", help="--sweep: device budget (default 4)")
-    g.add_argument("--tps", default="1", metavar="A,B", help="--sweep: TP sizes per role to try (default 1)")
+    g.add_argument("--tps", metavar="A,B", help="--sweep: TP sizes per role to try (default 1)")
     g.add_argument("--at-rate", type=float, metavar="RPS", help="--sweep: instead, the cheapest budget meeting "
                    "--target at this rate")
-    g.add_argument("--max-devices", type=_POS, default=16, metavar="N", help="--sweep --at-rate: largest budget "
+    g.add_argument("--max-devices", type=_POS, metavar="N", help="--sweep --at-rate: largest budget "
                    "(default 16)")
-    g.add_argument("--sweep-requests", type=_POS, default=400, metavar="N", help="--sweep: requests per probe, at "
+    g.add_argument("--sweep-requests", type=_POS, metavar="N", help="--sweep: requests per probe, at "
                    "least (default 400)")
-    g.add_argument("--sweep-span", type=float, default=20.0, metavar="S", help="--sweep: a probe runs at least S "
+    g.add_argument("--sweep-span", type=float, metavar="S", help="--sweep: a probe runs at least S "
                    "simulated seconds of arrivals (default 20)")
 
     o = p.add_argument_group("output")
@@ -300,10 +300,49 @@ def _check_fits(configs: list[Any], table: Any) -> None:
                              ) from None
 
 
+#: flags whose default is None in the parser (so that only one typed counts in _check_ignored), and
+#: their values when not given
+_DEFAULTS = {"requests": 2000, "time_scale": 1.0, "cancel_delay": 0.0, "tps": "1", "max_devices": 16,
+             "sweep_requests": 400, "sweep_span": 20.0}
+
+
+def _check_ignored(args: argparse.Namespace) -> None:
+    """A flag typed where nothing reads it is an error (before the defaults fill in)."""
+    arrival = args.arrival or ("trace" if args.trace else "poisson")
+    sweep, cheapest = args.sweep, args.sweep and args.at_rate is not None
+    no_cancel = "no {} without --cancel-rate P > 0 (only cancelled requests have a cancel phase or delay)"
+    rules = (
+        ("--cv", args.cv, arrival != "gamma", f"no --cv unless --arrival gamma (the arrival here is {arrival})"),
+        ("--burstiness", args.burstiness, arrival != "gamma",
+         f"no --burstiness unless --arrival gamma (the arrival here is {arrival})"),
+        ("--cancel-phase", args.cancel_phase, not args.cancel_rate, no_cancel.format("--cancel-phase")),
+        ("--cancel-delay", args.cancel_delay, not args.cancel_rate, no_cancel.format("--cancel-delay")),
+        ("--time-scale", args.time_scale, arrival != "trace",
+         f"no --time-scale unless a trace is replayed (--trace FILE; the arrival here is {arrival})"),
+        ("--trace-format", args.trace_format, not args.trace, "no --trace-format without --trace FILE"),
+        ("--requests", args.requests, sweep, "no --requests with --sweep (its probes take --sweep-requests)"),
+        ("--history", args.history, sweep, "no --history with --sweep (its probes write no history)"),
+        ("--budget", args.budget, not sweep or cheapest,
+         "--budget only with --sweep, and not with --at-rate (which tries budgets up to --max-devices)"),
+        ("--max-devices", args.max_devices, not cheapest, "--max-devices only with --sweep --at-rate"),
+        ("--at-rate", args.at_rate, not sweep, "--at-rate only with --sweep"),
+        ("--tps", args.tps, not sweep, "--tps only with --sweep (a single run takes --tp, --tp-p, --tp-d)"),
+        ("--sweep-requests", args.sweep_requests, not sweep, "--sweep-requests only with --sweep"),
+        ("--sweep-span", args.sweep_span, not sweep, "--sweep-span only with --sweep"),
+    )
+    for flag, value, ignored, allowed in rules:
+        if value is not None and ignored:
+            raise UsageError(flag, value, allowed)
+    for key, value in _DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def run(args: argparse.Namespace, console: Any) -> int:
     from ..sim._latency import PiecewiseLinear
     from ..sim._metrics import SLO
 
+    _check_ignored(args)
     if not 0 < args.target <= 1:
         raise UsageError("--target", args.target, "an attainment in (0, 1]")
     check_output_path(args.history, "--history")
