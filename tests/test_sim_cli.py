@@ -302,3 +302,27 @@ def test_the_settings_that_are_read_still_run(capsys: pytest.CaptureFixture[str]
                  ["--trace", SAMPLE_TRACE, "--time-scale", "2", "--trace-format", "jsonl"]):
         assert main(["simulate", "--requests", "40", "--arm", "pd", *argv]) == 0, argv
     capsys.readouterr()
+
+
+def test_the_timeline_shows_the_two_earliest_arrivals_that_completed(monkeypatch, tmp_path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from pdproto.sim import _plot
+
+    kept, drawn = {}, {}
+    monkeypatch.setattr(_plot, "plot_cdfs", lambda metrics, path, slo=None: kept.update(metrics) or path)
+    monkeypatch.setattr(_plot, "plot_occupancy", lambda samples, path: path)
+    monkeypatch.setattr(_plot, "plot_timeline", lambda recs, path, title=None: drawn.update({title: recs}) or path)
+    # r0 is cancelled in the queue; of the rest, long and short outputs finish out of arrival order
+    argv = ["simulate", "--requests", "60", "--rate", "8", "--prompt", "uniform:100,2000", "--output",
+            "uniform:2,400", "--cancel-rate", "0.3", "--plot", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert len(drawn) == 3
+    out_of_order = 0
+    for label, metrics in kept.items():
+        done = [r for r in metrics.records if r.completed]
+        assert len(metrics.records) == 60  # every record kept: the expected pair is known
+        earliest = sorted(done, key=lambda r: r.arrival)[:2]
+        assert [r.id for r in drawn[f"first two requests, {label}"]] == [r.id for r in earliest]
+        out_of_order += [r.id for r in done[:2]] != [r.id for r in earliest]
+    assert out_of_order  # the old pick (the first two to complete) differs on at least one arm

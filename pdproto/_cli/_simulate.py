@@ -251,6 +251,20 @@ def _tps(text: str) -> tuple[int, ...]:
 # -- running ------------------------------------------------------------------------
 
 
+class _FirstArrivals:
+    """A record sink that passes every record on to ``add`` and keeps the
+    ``k`` completed requests that arrived first (the seed's two-request
+    timeline), whenever they finish."""
+
+    def __init__(self, add: Any, k: int = 2) -> None:
+        self.add, self.k, self.records = add, k, []
+
+    def __call__(self, record: Any) -> None:
+        self.add(record)
+        if record.completed and (len(self.records) < self.k or record.arrival < self.records[-1].arrival):
+            self.records = sorted([*self.records, record], key=lambda x: x.arrival)[: self.k]
+
+
 def _run_arm(spec: Any, cfg: Any, args: argparse.Namespace, slo: Any, table: Any, history: Any) -> dict[str, Any]:
     from ..sim._engine import simulate
     from ..sim._metrics import Metrics
@@ -259,15 +273,16 @@ def _run_arm(spec: Any, cfg: Any, args: argparse.Namespace, slo: Any, table: Any
 
     m = Metrics(cfg.label(), devices=cfg.used_devices, weight_copies=cfg.weight_copies,
                 keep_records=200 if args.plot else 0)
+    first = _FirstArrivals(m.add) if args.plot else None
     pd = cfg.arm == "pd"
     res = simulate(
-        make_workload(spec, args.requests, args.seed), cfg, metrics=m,
+        make_workload(spec, args.requests, args.seed), cfg, metrics=m, sink=first,
         monitor=pd and not args.no_monitor, history=history if pd else None, decode_events=args.decode_events,
         table=table, sample_dt=expected_span(spec, args.requests) / 400,
     )
     summary = m.summary(slo, duration=res.duration)
     out = {"arm": cfg.arm, "label": cfg.label(), "result": res.to_dict(), "metrics": summary,
-           "signals": signals(res), "_metrics": m, "_result": res}
+           "signals": signals(res), "_metrics": m, "_result": res, "_first": first.records if first else []}
     faults = cfg.transfer_fail_rate > 0 or cfg.transfer_timeout_ms is not None
     if pd and faults and res.ok:
         import attrs
@@ -669,7 +684,8 @@ def _plot_dir(directory: str, *, create: bool = False) -> str:
 
 
 def _plots(directory: str, runs: list[dict[str, Any]], slo: Any) -> list[str]:
-    """CDFs of TTFT and ITL per arm, pool occupancy and the first two PD requests' timeline."""
+    """CDFs of TTFT and ITL per arm; per arm, pool occupancy and the timeline of the two completed requests
+    that arrived first (the seed's two-request timeline)."""
     import os
 
     from ..sim import _plot
@@ -680,7 +696,7 @@ def _plots(directory: str, runs: list[dict[str, Any]], slo: Any) -> list[str]:
         samples = r["_result"].samples
         if samples:
             written.append(_plot.plot_occupancy(samples, os.path.join(directory, f"occupancy-{r['arm']}.png")))
-        recs = [x for x in r["_metrics"].records if x.completed][:2]
+        recs = r["_first"]  # the two earliest arrivals among the completed requests
         if len(recs) == 2:
             written.append(_plot.plot_timeline(recs, os.path.join(directory, f"timeline-{r['arm']}.png"),
                                                title=f"first two requests, {r['label']}"))
