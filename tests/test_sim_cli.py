@@ -326,3 +326,18 @@ def test_the_timeline_shows_the_two_earliest_arrivals_that_completed(monkeypatch
         assert [r.id for r in drawn[f"first two requests, {label}"]] == [r.id for r in earliest]
         out_of_order += [r.id for r in done[:2]] != [r.id for r in earliest]
     assert out_of_order  # the old pick (the first two to complete) differs on at least one arm
+
+
+def test_the_sweep_ratio_plot_has_colocated_and_chunked_lines(monkeypatch, tmp_path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from pdproto.sim import _plot
+
+    seen = {}
+    monkeypatch.setattr(_plot, "plot_goodput_vs_ratio", lambda pts, path, **kw: seen.update(kw, pts=pts) or path)
+    monkeypatch.setattr(_plot, "plot_goodput_vs_rate", lambda curves, path, **kw: path)
+    code, data = run_json(capsys, "--sweep", "--budget", "3", "--sweep-requests", "40", "--sweep-span", "3", "--rate",
+                          "2", "--prompt", "fixed:500", "--output", "fixed:40", "--plot", str(tmp_path))
+    assert code == 0
+    per = {r["label"]: r["goodput_per_device"] for r in data["rows"]}
+    assert seen["baselines"] == [("colocated 3x tp1", per["colocated 3x tp1"]), ("chunked 3x tp1", per["chunked 3x tp1"])]
+    assert sorted(label for label, _v in seen["pts"]) == ["pd 1P2D tp1/1", "pd 2P1D tp1/1"]

@@ -35,3 +35,17 @@ def test_colocated_rows_and_old_callers_have_no_signals() -> None:
 def test_no_rate_meeting_the_target_keeps_no_signals() -> None:
     row = max_rate(SPEC, SLOW_LINK, SLO.parse("ttft:1"), n=20, span=1.0, max_probes=3)
     assert row.max_rate == 0 and row.signals == ()
+
+
+def test_the_ratio_plot_draws_a_line_for_each_reference_arm(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from pdproto.sim import _plot
+
+    figures = []
+    monkeypatch.setattr(_plot, "_save", lambda plt, fig, path: figures.append(fig) or path)
+    _plot.plot_goodput_vs_ratio([("pd 1P1D", 2.5), ("pd 2P1D", 3.3)], tmp_path / "r.png",
+                                baselines=[("colocated 3x tp1", 2.0), ("chunked 3x tp1", 3.6)])
+    _plot.plot_goodput_vs_ratio([("pd 1P1D", 2.5)], tmp_path / "r.png", baseline=("colocated 2x tp1", 2.0))
+    lines = [[(line.get_label(), line.get_ydata()[0]) for line in fig.axes[0].get_lines()] for fig in figures]
+    assert lines == [[("colocated 3x tp1", 2.0), ("chunked 3x tp1", 3.6)], [("colocated 2x tp1", 2.0)]]
+    assert figures[0].axes[0].get_ylim()[1] >= 3.6  # a reference above every bar is in view

@@ -708,12 +708,15 @@ def _sweep_plots(directory: str, rows: list[Any]) -> list[str]:
 
     from ..sim import _plot
 
-    colo = next((r for r in rows if r.config.arm == "colocated"), None)
     pts = [(r.config.label(), r.per_device) for r in rows if r.config.arm == "pd"]
+    refs = []
+    for arm in ("colocated", "chunked"):  # the best of each (rows come best first)
+        best = next((r for r in rows if r.config.arm == arm), None)
+        if best is not None:
+            refs.append((best.config.label(), best.per_device))
     out = []
     if pts:
-        out.append(_plot.plot_goodput_vs_ratio(pts, os.path.join(directory, "goodput-vs-ratio.png"),
-                                               baseline=(colo.config.label(), colo.per_device) if colo else None))
+        out.append(_plot.plot_goodput_vs_ratio(pts, os.path.join(directory, "goodput-vs-ratio.png"), baselines=refs))
     good = {r.config.label(): [(p.rate, p.goodput / r.devices) for p in sorted(r.probes, key=lambda p: p.rate)]
             for r in rows}
     out.append(_plot.plot_goodput_vs_rate(good, os.path.join(directory, "goodput-vs-rate.png"),

@@ -4,7 +4,8 @@
   SLO bounds as dashed lines);
 * :func:`plot_goodput_vs_rate`: goodput (per device by default) against the
   arrival rate, one line per arm, with the attainment target's rate marked;
-* :func:`plot_goodput_vs_ratio`: per-device goodput of each P:D split;
+* :func:`plot_goodput_vs_ratio`: per-device goodput of each P:D split, with
+  the colocated and chunked arms as reference lines;
 * :func:`plot_occupancy`: queue length, KV occupancy and busy share of each
   pool over simulated time, from the engine's samples;
 * :func:`plot_timeline`: the seed's two-request timeline: each request on a
@@ -152,9 +153,11 @@ def plot_goodput_vs_ratio(
     *,
     ylabel: str = "max rate per device at the target (req/s)",
     baseline: tuple[str, float] | None = None,
+    baselines: Sequence[tuple[str, float]] = (),
 ) -> pathlib.Path:
     """A bar per P:D split (label such as ``"2P1D"``, per-device goodput);
-    ``baseline`` (label, value) draws a colocated reference line.
+    each of ``baselines`` (label, value), and ``baseline``, draws a dashed
+    reference line: the colocated and chunked prefill arms on the same budget.
 
     Raises:
         UsageError: no point, a bad suffix.
@@ -171,8 +174,10 @@ def plot_goodput_vs_ratio(
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(points)))
     ax.set_xticklabels(labels)
-    if baseline is not None:
-        ax.axhline(baseline[1], color=_colour(1), linestyle="--", linewidth=1, label=baseline[0])
+    refs = ([baseline] if baseline is not None else []) + list(baselines)
+    for i, (label, value) in enumerate(refs):
+        ax.axhline(value, color=_colour(1 + 2 * i), linestyle="--", linewidth=1, label=label)
+    if refs:
         ax.legend(fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_xlabel("P:D split")
