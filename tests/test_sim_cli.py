@@ -341,3 +341,17 @@ def test_the_sweep_ratio_plot_has_colocated_and_chunked_lines(monkeypatch, tmp_p
     per = {r["label"]: r["goodput_per_device"] for r in data["rows"]}
     assert seen["baselines"] == [("colocated 3x tp1", per["colocated 3x tp1"]), ("chunked 3x tp1", per["chunked 3x tp1"])]
     assert sorted(label for label, _v in seen["pts"]) == ["pd 1P2D tp1/1", "pd 2P1D tp1/1"]
+
+
+def test_sweep_tries_tp_per_role(capsys: pytest.CaptureFixture[str]) -> None:
+    code, data = run_json(capsys, "--sweep", "--budget", "3", "--tps", "1,2", "--arm", "pd", "--sweep-requests", "30",
+                          "--sweep-span", "2", "--rate", "2", "--prompt", "fixed:500", "--output", "fixed:20")
+    assert code == 0
+    rows = {(r["n_p"], r["n_d"], r["tp_p"], r["tp_d"]): r for r in data["rows"]}
+    assert set(rows) == {(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}
+    for r in rows.values():
+        assert r["devices"] == 3 and r["weight_copies"] == 2 + (r["tp_p"] == r["tp_d"]) and r["max_rate"] > 0
+    assert main(["simulate", "--sweep", "--budget", "3", "--tps", "1,2", "--arm", "pd", "--sweep-requests", "30",
+                 "--sweep-span", "2", "--rate", "2", "--prompt", "fixed:500", "--output", "fixed:20"]) == 0
+    out = capsys.readouterr().out
+    assert "pd 1P1D tp2/1" in out and "pd 1P1D tp1/2" in out

@@ -49,3 +49,20 @@ def test_the_ratio_plot_draws_a_line_for_each_reference_arm(tmp_path, monkeypatc
     lines = [[(line.get_label(), line.get_ydata()[0]) for line in fig.axes[0].get_lines()] for fig in figures]
     assert lines == [[("colocated 3x tp1", 2.0), ("chunked 3x tp1", 3.6)], [("colocated 2x tp1", 2.0)]]
     assert figures[0].axes[0].get_ylim()[1] >= 3.6  # a reference above every bar is in view
+
+
+@pytest.mark.parametrize("budget", range(1, 9))
+def test_splits_lists_every_configuration_of_the_budget_with_tp_per_role(budget: int) -> None:
+    from pdproto.sim._sweep import splits
+
+    tps = (1, 2)
+    got = [(c.arm, c.tp) if c.arm != "pd" else ("pd", c.n_p, c.n_d, c.tp_p, c.tp_d)
+           for c in splits(budget, SimConfig(), tps)]
+    want = {(arm, tp) for arm in ("colocated", "chunked") for tp in tps if budget % tp == 0}
+    want |= {("pd", n_p, n_d, tp_p, tp_d) for tp_p in tps for tp_d in tps
+             for n_p in range(1, budget + 1) for n_d in range(1, budget + 1) if n_p * tp_p + n_d * tp_d == budget}
+    assert len(got) == len(set(got)) and set(got) == want
+    for c in splits(budget, SimConfig(), tps):
+        assert c.devices == budget and c.used_devices == budget
+    if budget == 5:  # the mixed splits are there: 1x2 + 3x1, 2x2 + 1x1, 1x1 + 2x2, 3x1 + 1x2
+        assert {("pd", 1, 3, 2, 1), ("pd", 2, 1, 2, 1), ("pd", 1, 2, 1, 2), ("pd", 3, 1, 1, 2)} <= set(got)
