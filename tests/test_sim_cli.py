@@ -355,3 +355,14 @@ def test_sweep_tries_tp_per_role(capsys: pytest.CaptureFixture[str]) -> None:
                  "--sweep-span", "2", "--rate", "2", "--prompt", "fixed:500", "--output", "fixed:20"]) == 0
     out = capsys.readouterr().out
     assert "pd 1P1D tp2/1" in out and "pd 1P1D tp1/2" in out
+
+
+def test_the_pools_table_says_what_its_mean_queue_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "mean queue *" in out
+    assert ("* mean queue: requests waiting to be scheduled, summed over the pool's instances; for a prefill pool, "
+            "the mean per P instance plus the shared queue of requests waiting for a D reservation") in out
+    assert main(["simulate", *SMALL, "--arm", "colocated"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "summed over the pool's instances" in out and "prefill pool" not in out

@@ -524,7 +524,7 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
     for label, fn in (
         ("instances", lambda p: f"{p['instances']} × tp{p['tp']}"),
         ("utilisation", lambda p: _f(p["utilisation"], 2)),
-        ("mean queue", lambda p: _f(p["mean_queue"], 2)),
+        ("mean queue *", lambda p: _f(p["mean_queue"], 2)),
         ("KV mean", lambda p: _f(p["mean_kv_occupancy"], 3)),
         ("KV peak", lambda p: _f(p["peak_kv_occupancy"], 3)),
         ("KV blocks each", lambda p: f"{p['kv_blocks']:,}"),
@@ -532,6 +532,11 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
     ):
         pools.add_row(label, *[fn(pool) for _r, _n, pool in cols])
     console.print(pools)
+    note = "  * mean queue: requests waiting to be scheduled, summed over the pool's instances"
+    if any(name == "prefill" for _r, name, _p in cols):
+        note += ("; for a prefill pool, the mean per P instance plus the shared queue of requests waiting for a "
+                 "D reservation")
+    console.print(note)
     for r in runs:
         if r["arm"] != "pd":
             continue
