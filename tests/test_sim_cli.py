@@ -285,6 +285,18 @@ def test_bad_input_names_the_flag_typed(argv: list[str], starts: str, capsys: py
         (["--sweep", "--max-devices", "3"], "--max-devices: 3 is not allowed; expected --max-devices only with --sweep "
                                             "--at-rate"),
         (["--sweep", "--at-rate", "2", "--budget", "3"], "--budget: 3 is not allowed"),
+        (["--sweep", "--pd", "2:1"], "--pd: '2:1' is not allowed; expected no --pd with --sweep"),
+        (["--sweep", "--tp-d", "2"], "--tp-d: 2 is not allowed; expected no --tp-d with --sweep"),
+        (["--arm", "pd", "--tp", "2"], "--tp: 2 is not allowed; expected no --tp with --arm pd"),
+        (["--arm", "pd", "--devices", "4"], "--devices: 4 is not allowed; expected no --devices with --arm pd"),
+        # a colocated instance takes --tp devices: a budget it does not divide would leave devices idle
+        (["--devices", "3", "--tp", "2"], "--devices: 3 is not allowed; expected a multiple of --tp 2"),
+        (["--pd", "1:2", "--tp", "2"], "--tp: 2 is not allowed; expected a divisor of the 3 devices PD uses"),
+        # a sweep with nothing to try says so instead of printing an empty table
+        (["--sweep", "--budget", "1", "--arm", "pd"], "--budget: 1 is not allowed; expected a budget with a "
+                                                      "configuration of --arm pd at --tps 1"),
+        (["--sweep", "--budget", "2", "--model", "llama-3-70b"], "--budget: 2 is not allowed; expected a budget "
+                                                                 "with a configuration whose instances fit"),
     ],
 )
 def test_a_setting_nothing_reads_is_an_error(argv: list[str], starts: str, capsys: pytest.CaptureFixture[str],

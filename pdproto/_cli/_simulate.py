@@ -65,12 +65,12 @@ def add_parser(sub: Any) -> None:
                    "(default h100-sxm)")
     s.add_argument("--arm", choices=("all", "colocated", "chunked", "pd"), default="all",
                    help="which arm(s) to run (default all three at the same budget)")
-    s.add_argument("--pd", default="1:1", metavar="NP:ND", help="prefill:decode instances of the PD arm (default 1:1)")
-    s.add_argument("--tp-p", type=_POS, default=1, metavar="N", help="TP of a prefill instance (default 1)")
-    s.add_argument("--tp-d", type=_POS, default=1, metavar="N", help="TP of a decode instance (default 1)")
+    s.add_argument("--pd", metavar="NP:ND", help="prefill:decode instances of the PD arm (default 1:1)")
+    s.add_argument("--tp-p", type=_POS, metavar="N", help="TP of a prefill instance (default 1)")
+    s.add_argument("--tp-d", type=_POS, metavar="N", help="TP of a decode instance (default 1)")
     s.add_argument("--devices", type=_POS, metavar="N", help="device budget of the colocated arms (default: what PD "
                    "uses)")
-    s.add_argument("--tp", type=_POS, default=1, metavar="N", help="TP of a colocated instance (default 1)")
+    s.add_argument("--tp", type=_POS, metavar="N", help="TP of a colocated instance (default 1)")
     s.add_argument("--block-size", type=_POS, default=64, metavar="N", help="tokens per KV block (default 64)")
     s.add_argument("--kv-blocks", type=_POS, metavar="N", help="KV blocks per instance (default: what fits beside "
                    "the weights)")
@@ -238,6 +238,12 @@ def _configs(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         max_retries=args.max_retries, queue_timeout_s=args.queue_timeout, max_queue=args.max_queue, seed=args.seed,
     )
     arms = ("colocated", "chunked", "pd") if args.arm == "all" else (args.arm,)
+    if not args.sweep and arms != ("pd",) and devices % args.tp:
+        if args.devices is not None:
+            raise UsageError("--devices", devices, f"a multiple of --tp {args.tp} (a colocated instance takes "
+                             f"--tp devices; the rest would idle)")
+        raise UsageError("--tp", args.tp, f"a divisor of the {devices} devices PD uses (--pd {args.pd}), or give "
+                         f"--devices (a colocated instance takes --tp devices; the rest would idle)")
     return base, [attrs.evolve(base, arm=a) for a in arms]
 
 
@@ -317,7 +323,7 @@ def _check_fits(configs: list[Any], table: Any) -> None:
 
 #: flags whose default is None in the parser (so that only one typed counts in _check_ignored), and
 #: their values when not given
-_DEFAULTS = {"requests": 2000, "time_scale": 1.0, "cancel_delay": 0.0, "tps": "1", "max_devices": 16,
+_DEFAULTS = {"pd": "1:1", "tp_p": 1, "tp_d": 1, "tp": 1, "requests": 2000, "time_scale": 1.0, "cancel_delay": 0.0, "tps": "1", "max_devices": 16,
              "sweep_requests": 400, "sweep_span": 20.0}
 
 
@@ -341,7 +347,14 @@ def _check_ignored(args: argparse.Namespace) -> None:
          "--budget only with --sweep, and not with --at-rate (which tries budgets up to --max-devices)"),
         ("--max-devices", args.max_devices, not cheapest, "--max-devices only with --sweep --at-rate"),
         ("--at-rate", args.at_rate, not sweep, "--at-rate only with --sweep"),
+        ("--tp", args.tp, args.arm == "pd", "no --tp with --arm pd (a PD run takes --tp-p and --tp-d)"),
+        ("--devices", args.devices, args.arm == "pd", "no --devices with --arm pd (PD uses NP*TP_P + ND*TP_D "
+         "devices from --pd, --tp-p, --tp-d)"),
         ("--tps", args.tps, not sweep, "--tps only with --sweep (a single run takes --tp, --tp-p, --tp-d)"),
+        *((flag, value, sweep, f"no {flag} with --sweep (it tries every split of --budget, or of each budget up "
+           f"to --max-devices, with TP sizes from --tps)")
+          for flag, value in (("--pd", args.pd), ("--tp-p", args.tp_p), ("--tp-d", args.tp_d),
+                              ("--devices", args.devices), ("--tp", args.tp))),
         ("--sweep-requests", args.sweep_requests, not sweep, "--sweep-requests only with --sweep"),
         ("--sweep-span", args.sweep_span, not sweep, "--sweep-span only with --sweep"),
     )
@@ -635,6 +648,15 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
         _plot_dir(args.plot, create=True)
     rows = sweep(spec, base, budget, slo, tps=tps, target=args.target, n=args.sweep_requests, seed=args.seed,
                  arms=arms, span=args.sweep_span, table=table)
+    if not rows:
+        from ..sim._sweep import splits
+
+        if not splits(budget, base, tps, arms=arms):
+            raise UsageError("--budget", budget, f"a budget with a configuration of --arm {args.arm} at --tps "
+                             f"{args.tps} (PD takes at least one P and one D instance, a colocated instance TP "
+                             f"devices)")
+        raise UsageError("--budget", budget, f"a budget with a configuration whose instances fit {args.model} on "
+                         f"{args.device} at --tps {args.tps} (larger TP sizes hold larger weights)")
     plots = _sweep_plots(args.plot, rows) if args.plot else []
     if args.json:
         print_json({"mode": "budget", "budget": budget, "slo_ms": slo.to_ms(), "target": args.target,
