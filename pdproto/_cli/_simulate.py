@@ -323,8 +323,8 @@ def _check_fits(configs: list[Any], table: Any) -> None:
 
 #: flags whose default is None in the parser (so that only one typed counts in _check_ignored), and
 #: their values when not given
-_DEFAULTS = {"pd": "1:1", "tp_p": 1, "tp_d": 1, "tp": 1, "requests": 2000, "time_scale": 1.0, "cancel_delay": 0.0, "tps": "1", "max_devices": 16,
-             "sweep_requests": 400, "sweep_span": 20.0}
+_DEFAULTS = {"pd": "1:1", "tp_p": 1, "tp_d": 1, "tp": 1, "requests": 2000, "time_scale": 1.0, "cancel_delay": 0.0,
+             "tps": "1", "max_devices": 16, "sweep_requests": 400, "sweep_span": 20.0}
 
 
 def _check_ignored(args: argparse.Namespace) -> None:
