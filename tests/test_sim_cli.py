@@ -242,7 +242,8 @@ def test_the_report_says_why_requests_were_rejected_or_failed(capsys: pytest.Cap
     assert code == 0 and failed > 0
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert f"{failed} failed ({failed} transfer failed or timed out, --max-retries spent)" in out
+    assert f"{failed} failed ({failed} transfer failed, retries exhausted)" in out
+    assert data["runs"][0]["result"]["failures"] == {"transfer failed, retries exhausted": failed}
     assert main(["simulate", *SMALL, "--arm", "pd"]) == 0
     assert "rejected at admission" not in capsys.readouterr().out
 

@@ -125,6 +125,10 @@ def test_faults_cancels_and_preemption_keep_every_handoff_correct(tmp_path, deco
     assert f["transfer_failures"] > 0 and f["timeouts"] > 0 and f["retries"] > 0
     assert f["preempted"] > 0 and f["cancelled"] > 0
     assert max(r.retries for r in recs) <= 2
+    # every request that failed or was rejected is counted under a reason
+    assert sum(res.failures.values()) == f["failed"] > 0 and sum(res.rejections.values()) == f["rejected"]
+    assert set(res.failures) <= {"transfer failed, retries exhausted", "transfer timeout, retries exhausted",
+                                 "recomputed prompt larger than a decode instance's KV"}
     # conservation: every request ends exactly once, in exactly one way
     assert len(recs) == n == len({r.id for r in recs}) == res.finished
     for r in recs:

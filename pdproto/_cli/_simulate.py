@@ -453,10 +453,6 @@ def _why(result: dict[str, Any]) -> str:
     parts = []
     for key, what in (("rejections", "rejected at admission"), ("failures", "failed")):
         by = dict(result.get(key) or {})
-        total = result["faults"]["rejected" if key == "rejections" else "failed"]
-        if total > sum(by.values()):
-            # the engine counts a PD request whose last retry's transfer failed without a reason
-            by["transfer failed or timed out, --max-retries spent"] = total - sum(by.values())
         if by:
             reasons = ", ".join(f"{n:,} {why}" for why, n in sorted(by.items(), key=lambda kv: (-kv[1], kv[0])))
             parts.append(f"{sum(by.values()):,} {what} ({reasons})")

@@ -1419,6 +1419,8 @@ class _Sim:
         # the first token of this generation was delivered; the retry recomputes it with the prompt
         if r.retries >= self.cfg.max_retries:
             r.failed = True
+            why = ("transfer timeout" if timeout else "transfer failed") + ", retries exhausted"
+            self.why_failed[why] = self.why_failed.get(why, 0) + 1
             self.done(r)
         else:
             r.retries += 1
