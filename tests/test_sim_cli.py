@@ -376,7 +376,8 @@ def test_the_pools_table_says_what_its_mean_queue_counts(capsys: pytest.CaptureF
     out = " ".join(capsys.readouterr().out.split())
     assert "mean queue *" in out
     assert ("* mean queue: requests waiting to be scheduled, summed over the pool's instances; for a prefill pool, "
-            "the mean per P instance plus the shared queue of requests waiting for a D reservation") in out
+            "plus the requests waiting for a D reservation (the 'waiting for D' row)") in out
+    assert "waiting for D" in out
     assert main(["simulate", *SMALL, "--arm", "colocated"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "summed over the pool's instances" in out and "prefill pool" not in out

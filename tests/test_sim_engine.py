@@ -244,6 +244,20 @@ def test_every_run_checks_littles_law_on_its_own_counts(arm: str) -> None:
     assert res.to_dict()["mean_in_system"] == res.mean_in_system
 
 
+def test_the_prefill_pools_mean_queue_is_littles_law_over_every_wait_before_prefill() -> None:
+    """PD with two P instances and D short of KV, so requests wait first for a
+    D reservation and then for a P: the pool's mean queue (both waits, summed
+    over the pool) times the duration equals the summed waits from arrival to
+    the prefill's start that the records show."""
+    reqs = [attrs.evolve(r, prompt_len=300, output_len=1) for r in poisson(300, 60.0)]  # 19 blocks each
+    recs, res = run(reqs, seed_config("pd", kv_blocks=60, n_p=2, n_d=1))
+    assert res.ok and all(r.completed and r.retries == 0 for r in recs)
+    pool = res.pools["prefill"]
+    assert pool["mean_reservation_queue"] > 1.0 and pool["mean_queue"] > pool["mean_reservation_queue"]
+    waits = math.fsum(r.prefill_start - r.arrival for r in recs)  # type: ignore[operator]
+    assert pool["mean_queue"] * res.duration == pytest.approx(waits, rel=1e-9)
+
+
 def _leak_one_block(monkeypatch) -> None:
     release = _Sim.release
 

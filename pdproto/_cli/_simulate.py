@@ -534,6 +534,7 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
         ("instances", lambda p: f"{p['instances']} × tp{p['tp']}"),
         ("utilisation", lambda p: _f(p["utilisation"], 2)),
         ("mean queue *", lambda p: _f(p["mean_queue"], 2)),
+        ("waiting for D", lambda p: _f(p["mean_reservation_queue"], 2) if "mean_reservation_queue" in p else ""),
         ("KV mean", lambda p: _f(p["mean_kv_occupancy"], 3)),
         ("KV peak", lambda p: _f(p["peak_kv_occupancy"], 3)),
         ("KV blocks each", lambda p: f"{p['kv_blocks']:,}"),
@@ -543,8 +544,8 @@ def _report(console: Any, spec: Any, args: argparse.Namespace, slo: Any, runs: l
     console.print(pools)
     note = "  * mean queue: requests waiting to be scheduled, summed over the pool's instances"
     if any(name == "prefill" for _r, name, _p in cols):
-        note += ("; for a prefill pool, the mean per P instance plus the shared queue of requests waiting for a "
-                 "D reservation")
+        note += ("; for a prefill pool, plus the requests waiting for a D reservation (the 'waiting for D' "
+                 "row)")
     console.print(note)
     for r in runs:
         if r["arm"] != "pd":

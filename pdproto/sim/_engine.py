@@ -445,6 +445,8 @@ class _Sim:
                        "cancelled": 0, "failed": 0, "recomputed_tokens": 0}
         self.xfer = {"count": 0, "bytes": 0, "time": 0.0, "ideal": 0.0}
         self.rq: deque[_Req] = deque()  # PD: waiting for a D reservation
+        self.rq_area = 0.0  # its length integrated over time (rq_account)
+        self.rq_t = 0.0
         self.first_arrival: float | None = None
         self.d_freed = False
         self.kicks: set[_Inst] = set()
@@ -540,8 +542,7 @@ class _Sim:
         """Integrate queue length and KV use of ``inst`` up to now."""
         dt = self.now - inst.last
         if dt > 0:
-            q = len(inst.waiting) + (len(self.rq) if inst.role == "prefill" else 0)
-            inst.q_area += q * dt
+            inst.q_area += len(inst.waiting) * dt
             inst.kv_area += (inst.nblocks - len(inst.free)) * dt
             inst.last = self.now
 
@@ -713,10 +714,15 @@ class _Sim:
             if not inst.busy:
                 self.kicks.add(inst)
 
+    def rq_account(self) -> None:
+        """Integrate the reservation queue's length up to now (called before it changes)."""
+        now = self.now
+        self.rq_area += len(self.rq) * (now - self.rq_t)
+        self.rq_t = now
+
     def enqueue_rq(self, r: _Req, front: bool = False) -> None:
         r.state = _RQ
-        for p in self.P:
-            self.account(p)
+        self.rq_account()
         if front:
             self.rq.appendleft(r)
         else:
@@ -732,6 +738,8 @@ class _Sim:
     def drain_rq(self) -> None:
         """Reserve D blocks for the head of the reservation queue while some D has room (FIFO)."""
         rq = self.rq
+        if rq:
+            self.rq_account()  # (what follows happens at this instant)
         while rq:
             r = rq[0]
             if r.state != _RQ or r.cancelled:
@@ -763,6 +771,7 @@ class _Sim:
 
     def reject(self, r: _Req, why: str) -> None:
         if r.state == _RQ and self.cfg.arm == "pd":
+            self.rq_account()
             try:
                 self.rq.remove(r)
             except ValueError:
@@ -806,7 +815,12 @@ class _Sim:
             self.emit(Cancel.unchecked(r.id, r.gen, "client"), r)
         st = r.state
         if st == _RQ:
-            self.done(r)  # drain_rq skips it
+            self.rq_account()
+            try:
+                self.rq.remove(r)  # (at once: the queue's length and --max-queue count live requests)
+            except ValueError:
+                pass
+            self.done(r)
         elif st == _PQ:
             inst = r.p
             self.account(inst)
@@ -1475,6 +1489,8 @@ class _Sim:
         pools = {}
         for name, pool in self.pools.items():
             tp = self.cfg.tp_p if name == "prefill" else self.cfg.tp_d if name == "decode" else self.cfg.tp
+            if name == "prefill":
+                self.rq_account()
             pools[name] = {
                 "instances": len(pool),
                 "devices": len(pool) * tp,
@@ -1482,12 +1498,16 @@ class _Sim:
                 "kv_blocks": pool[0].nblocks,
                 "utilisation": sum(i.busy_time for i in pool) / (len(pool) * dur),
                 "utilisation_per_instance": [i.busy_time / dur for i in pool],
-                "mean_queue": sum(i.q_area for i in pool) / dur / (1 if name != "prefill" else len(pool)),
+                # requests waiting to be scheduled, summed over the pool (a prefill
+                # pool: plus those waiting for a D reservation), as its samples count
+                "mean_queue": (sum(i.q_area for i in pool) + (self.rq_area if name == "prefill" else 0.0)) / dur,
                 "mean_kv_occupancy": sum(i.kv_area for i in pool) / dur / sum(i.nblocks for i in pool),
                 "peak_kv_occupancy": max(i.peak_kv / i.nblocks for i in pool),
                 "preempted": sum(i.preempted for i in pool),
                 "steps": sum(i.steps for i in pool),
             }
+            if name == "prefill":
+                pools[name]["mean_reservation_queue"] = self.rq_area / dur  # (its part of mean_queue)
         x = self.xfer
         transfers = {
             "count": x["count"],
