@@ -329,6 +329,25 @@ def test_timeline_plot(tmp_path: pathlib.Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_timeline_plot_draws_the_handoff_the_records_carry(tmp_path: pathlib.Path) -> None:
+    """The seed's two requests as the engine records them: PD's lane shows its
+    prefill (0-40 ms) and its KV transfer (42-62 ms); colocated's has no transfer."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from pdproto.sim import PiecewiseLinear, SimConfig, SimRequest, simulate
+    from pdproto.sim._plot import plot_timeline
+
+    table = PiecewiseLinear([(1, 40.0), (10_000, 40.0)], [(1, 4.0), (10_000, 4.0)])
+    recs = []
+    for arm, devices in (("pd", 2), ("colocated", 1)):
+        simulate([SimRequest(arm, 0.0, 4096, 3)], SimConfig(arm=arm, model="teaching-gqa", devices=devices,
+                 latency_ms=0.0, coord_ms=2.0, bandwidth_gibps=25.0, kv_blocks=4096, block_size=16),
+                 sink=recs.append, table=table)
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # (text stays text)
+        svg = plot_timeline(recs, tmp_path / "t.svg").read_text()
+    assert svg.count("KV transfer 20.0 ms") == 1 and svg.count("prefill") == 2
+    assert "TTFT 40.0 ms" in svg and "first gap 26.0 ms" in svg and "first gap 4.0 ms" in svg
+
+
 def test_plot_bad_input(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

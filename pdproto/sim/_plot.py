@@ -225,8 +225,10 @@ def plot_timeline(records: Sequence[RequestRecord], path: str | pathlib.Path, *,
     in the seed), time in ms from the first arrival, up to each request's
     ``first_tokens``-th token (the handoff and its first gaps; the rest of a
     long decode would only crowd the picture).  Each lane shows the wait from
-    arrival to the first token, a numbered marker per token, and labels TTFT
-    and the first generated gap.
+    arrival to the first token (its prefill darker, where the record has
+    ``prefill_start``), a numbered marker per token, the KV transfer of a PD
+    record (``transfer_start`` to ``transfer_end``, hatched above the lane),
+    and labels TTFT, the transfer's time and the first generated gap.
 
     Raises:
         UsageError: no record, ``first_tokens`` < 2, a bad suffix.
@@ -252,6 +254,17 @@ def plot_timeline(records: Sequence[RequestRecord], path: str | pathlib.Path, *,
             ax.text(ms(first), y + 0.2, f" TTFT {ms(first) - ms(r.arrival):.1f} ms", ha="right", va="bottom",
                     fontsize=8)
             ax.barh(y, ms(end) - ms(first), left=ms(first), height=0.1, color=colour)
+        if r.prefill_start is not None and first is not None:  # the prefill inside the wait
+            ax.barh(y, ms(first) - ms(r.prefill_start), left=ms(r.prefill_start), height=0.3, color="#737373",
+                    edgecolor="white")
+            ax.text((ms(r.prefill_start) + ms(first)) / 2, y, "prefill", ha="center", va="center", fontsize=7,
+                    color="white")
+        if r.transfer_start is not None and r.transfer_end is not None:  # PD: the KV handoff
+            ax.barh(y + 0.22, ms(r.transfer_end) - ms(r.transfer_start), left=ms(r.transfer_start), height=0.12,
+                    color="#fdb863", edgecolor="#e66101", hatch="///")
+            ax.text(ms(r.transfer_end), y + 0.22, f" KV transfer {ms(r.transfer_end) - ms(r.transfer_start):.1f} ms",
+                    ha="left", va="center", fontsize=7, color="#e66101")
+            right = max(right, ms(r.transfer_end))
         for k, t in enumerate(tokens):
             ax.plot([ms(t)], [y], marker="o", color="black", markersize=4)
             ax.text(ms(t), y - 0.16, str(k + 1), ha="center", va="top", fontsize=7)
