@@ -258,7 +258,8 @@ def test_prefill_queue_is_md1(rate: float) -> None:
 def test_the_pd_picker_agrees_with_distserve_and_the_planner() -> None:
     """The P:D picker's bisection (pdproto.sim._sweep.max_rate) on the toy at a budget of 3:
     2P1D is the best split (DistServe's pick), and at its rate Dynamo's closed form asks for
-    the same 2:1.  (``sweep`` itself refuses a latency table, so the splits are walked here.)"""
+    the same 2:1.  (The splits are walked here rather than through ``sweep``, to bisect to 2%
+    instead of the sweep's 5%.)"""
     from pdproto.sim._sweep import max_rate as picker_max_rate
     from pdproto.sim._sweep import splits
 
