@@ -81,7 +81,8 @@ class RequestRecord:
         arrival: when it was sent (absolute seconds).
         prompt_len, output_len: tokens asked for.
         first_token, finish: when the first token arrived and when the request
-            ended (last token, or the cancel/failure); None if never.
+            completed (its last token); None if never (a rejected, cancelled
+            or failed request has no finish).
         token_times: the arrival time of every output token, the first
             included (``token_times[0] == first_token``).
         rejected: refused at admission (no capacity); never served.
