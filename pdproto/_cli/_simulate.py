@@ -308,17 +308,16 @@ def _run_arm(spec: Any, cfg: Any, args: argparse.Namespace, slo: Any, table: Any
 
 def _check_fits(configs: list[Any], table: Any) -> None:
     """Every arm's instances can be built (the weights fit, with room for KV) before any arm runs."""
-    from ..sim._engine import simulate
+    from ..sim._sweep import fit_error
 
     for cfg in configs:
-        try:
-            simulate((), cfg, monitor=False, table=table)
-        except UsageError as exc:
-            if exc.what not in ("tp", "kv_blocks"):
-                raise _renamed(exc) from None
-            flag, tp = ("--tp-p/--tp-d", f"{cfg.tp_p}/{cfg.tp_d}") if cfg.arm == "pd" else ("--tp", cfg.tp)
-            raise UsageError(flag, tp, f"{exc.allowed} (the {cfg.label()} arm; or another --model, --device)"
-                             ) from None
+        exc = fit_error(cfg, table)
+        if exc is None:
+            continue
+        if exc.what not in ("tp", "kv_blocks"):
+            raise _renamed(exc) from None
+        flag, tp = ("--tp-p/--tp-d", f"{cfg.tp_p}/{cfg.tp_d}") if cfg.arm == "pd" else ("--tp", cfg.tp)
+        raise UsageError(flag, tp, f"{exc.allowed} (the {cfg.label()} arm; or another --model, --device)") from None
 
 
 #: flags whose default is None in the parser (so that only one typed counts in _check_ignored), and

@@ -163,12 +163,14 @@ def splits(budget: int, base: SimConfig, tps: Sequence[int] = (1,), *, arms: Ite
     return out
 
 
-def _fits(config: SimConfig, table: Any = None) -> bool:
+def fit_error(config: SimConfig, table: Any = None) -> UsageError | None:
+    """Why ``config``'s instances cannot be built (no room for KV beside the
+    weights, say), or None when they can."""
     try:
         simulate((), config, monitor=False, table=table)
-    except UsageError:
-        return False
-    return True
+    except UsageError as exc:
+        return exc
+    return None
 
 
 def sweep(spec: WorkloadSpec, base: SimConfig, budget: int, slo: SLO, *, tps: Sequence[int] = (1,),
@@ -183,7 +185,7 @@ def sweep(spec: WorkloadSpec, base: SimConfig, budget: int, slo: SLO, *, tps: Se
     rows = []
     start = spec.rate or 1.0
     for cfg in splits(budget, base, tps, arms=arms):
-        if not _fits(cfg, table):
+        if fit_error(cfg, table) is not None:
             continue
         row = max_rate(spec, cfg, slo, target=target, n=n, seed=seed, start=start, span=span, table=table)
         rows.append(row)
@@ -204,7 +206,7 @@ def cheapest(spec: WorkloadSpec, base: SimConfig, rate: float, slo: SLO, *, max_
     for budget in range(1, max_devices + 1):
         tried = []
         for cfg in splits(budget, base, tps, arms=arms):
-            if not _fits(cfg, table):
+            if fit_error(cfg, table) is not None:
                 continue
             p, _m, _r = run_once(spec, cfg, rate, slo, n=max(n, int(rate * span)), seed=seed, table=table)
             tried.append((cfg, p))
