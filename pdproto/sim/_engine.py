@@ -52,7 +52,7 @@ import heapq
 import math
 import random
 import time as _time
-from collections import deque
+from collections import Counter, deque
 from typing import IO, Any, Callable, Iterable, Iterator
 
 import attrs
@@ -437,8 +437,8 @@ class _Sim:
         self.sojourn = 0.0
         self.ended_twice = 0
         self.two_outcomes = 0
-        self.why_rejected: dict[str, int] = {}
-        self.why_failed: dict[str, int] = {}
+        self.why_rejected: Counter[str] = Counter()
+        self.why_failed: Counter[str] = Counter()
         self.events = 0
         self.violation: dict | None = None
         self.faults = {"transfer_failures": 0, "timeouts": 0, "retries": 0, "preempted": 0, "rejected": 0,
@@ -788,7 +788,7 @@ class _Sim:
                 self.release(r.d, r.dblocks, r)
         r.rejected = True
         self.faults["rejected"] += 1
-        self.why_rejected[why] = self.why_rejected.get(why, 0) + 1
+        self.why_rejected[why] += 1
         if self.ev_on:
             self.emit(Fail.unchecked(r.id, r.gen, "rejected: " + why), r)
         self.done(r)
@@ -859,7 +859,7 @@ class _Sim:
     def give_up(self, r: _Req, why: str) -> None:
         """The request fails: it can never be served."""
         r.failed = True
-        self.why_failed[why] = self.why_failed.get(why, 0) + 1
+        self.why_failed[why] += 1
         if self.ev_on:
             self.emit(Fail.unchecked(r.id, r.gen, why), r)
         self.done(r)
@@ -1434,7 +1434,7 @@ class _Sim:
         if r.retries >= self.cfg.max_retries:
             r.failed = True
             why = ("transfer timeout" if timeout else "transfer failed") + ", retries exhausted"
-            self.why_failed[why] = self.why_failed.get(why, 0) + 1
+            self.why_failed[why] += 1
             self.done(r)
         else:
             r.retries += 1
