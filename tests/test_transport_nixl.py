@@ -180,6 +180,25 @@ def test_replay_cli_transport_nixl(capsys):
     assert ts["transfers"] > 0 and ts["notifications"] == ts["transfers"]
 
 
+def test_a_replay_through_nixl_exits_cleanly():
+    """The process that loaded NIXL exits 0 (not SIGSEGV in a library's
+    destructor at exit): UCX loads no module that brings the system's
+    libibverbs and libnl beside the wheel's copies (its EFA module, where
+    libefa is installed); a UCX_MODULES of the user's own is kept."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    code = ("import os, sys; from pdproto._cli import main; rc = main(sys.argv[1:]); "
+            "print(os.environ['UCX_MODULES']); sys.exit(rc)")
+    for extra in ({}, {"UCX_MODULES": "^efa,cma"}):
+        p = subprocess.run([sys.executable, "-c", code, "replay", "--transport", "nixl",
+                            os.path.join(EXAMPLES, "clean-push.jsonl")],
+                           capture_output=True, text=True, env={**env, **extra}, timeout=120)
+        assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+        assert p.stdout.splitlines()[-1] == extra.get("UCX_MODULES", "^efa")
+
+
 def test_backend_factory_shares_one_transport():
     make = torch_backend_factory(transport="nixl")
     a, b = make(HistoryHeader()), make(HistoryHeader())

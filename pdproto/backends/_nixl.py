@@ -46,6 +46,9 @@ __all__ = ["NixlTransport", "load_nixl"]
 
 _IDS = itertools.count()
 
+#: the UCX modules NIXL's UCX loads unless ``UCX_MODULES`` says otherwise: all but EFA
+_UCX_MODULES = "^efa"
+
 
 def load_nixl() -> Any:
     """NIXL's Python API module: ``nixl_cu12._api`` (the ``nixl-cu12``
@@ -55,6 +58,13 @@ def load_nixl() -> Any:
     # failed" for a peer already closed
     os.environ.setdefault("NIXL_LOG_LEVEL", "FATAL")
     os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
+    # UCX's EFA module (libuct_ib_efa) is the one module of the wheel that links a
+    # library it does not bundle (libefa.so.1): where the system has it (Debian's
+    # ibverbs-providers, which libibverbs1 brings for Mooncake), loading the module
+    # puts the system's libibverbs and libnl beside the wheel's copies, and the
+    # process dies with SIGSEGV at exit (libnl-route's destructor).  Host-memory
+    # replay does not use EFA; a UCX_MODULES of the user's own is kept.
+    os.environ.setdefault("UCX_MODULES", _UCX_MODULES)
     for name in ("nixl_cu12._api", "nixl._api"):
         try:
             api = importlib.import_module(name)
