@@ -13,7 +13,7 @@ completed but that D had not yet committed.
 Family: push.  Caught as ``leak``.
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE, XferState
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, Phase, XferState
 
 EXPECTED = "leak"
 PROJECT = "sglang"

@@ -16,7 +16,7 @@ holds it.  Caught as ``double-allocation``.
 Family: pull.  https://github.com/InternLM/lmdeploy/issues/1450
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = "double-allocation"
 PROJECT = "lmdeploy"
@@ -27,8 +27,9 @@ LINKS = (
 FAMILY = "pull"
 FAULTS = ("timeout",)
 # a third request's prefill takes the evicted prefix block while the second still holds it
-DEFAULT_CONFIG = ModelConfig(policy="pull", requests=3, blocks=3, block_size=2, prompt_len=3, prefix_cache=True,
-                             faults={"timeout": 1})
+DEFAULT_CONFIG = ModelConfig(
+    policy="pull", requests=3, blocks=3, block_size=2, prompt_len=3, prefix_cache=True, faults={"timeout": 1}
+)
 
 _cleanup = REFERENCE["push"].cleanup.effect
 

@@ -13,7 +13,7 @@ cleanup has P wait for the read to end before it frees, and this mutant's
 Family: pull.  Caught as ``early-source-free``.
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig
 
 EXPECTED = "early-source-free"
 PROJECT = "vllm"

@@ -6,7 +6,7 @@ request's KV blocks are never freed.  Caught at a quiet state as ``leak``.
 Family: push.  https://github.com/vllm-project/vllm/issues/29906
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig, Phase
 
 EXPECTED = "leak"
 PROJECT = "vllm"

@@ -10,7 +10,7 @@ a transfer the data plane never saw.  Family: push.  Caught as
 ``unknown-transfer`` (the abort names a transfer that never started).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 from pdproto.spec import TransferAbort
 
 EXPECTED = "unknown-transfer"

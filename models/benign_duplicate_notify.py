@@ -8,7 +8,7 @@ this.  Family: push.  The monitor must report it clean (no
 ``double-commit``).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, MsgKind, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, MsgKind
 
 EXPECTED = None
 BENIGN = True
@@ -16,7 +16,10 @@ PROJECT = "pdproto"
 LINKS = ()
 FAMILY = "push"
 FAULTS = ("loss", "reorder", "cancel")
-DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"loss": 1, "reorder": 1, "cancel": 1})
+DEFAULT_CONFIG = ModelConfig(
+    policy="push", requests=1, blocks=1, faults={"loss": 1, "reorder": 1, "cancel": 1}
+)
+
 
 def sent_twice(kind):
     """The family's ``on_xfer_done``, then a second copy of the ``kind`` message it just sent."""

@@ -6,7 +6,7 @@ dropped.  Family: pull.  The monitor must report it clean (no
 ``double-allocation``, ``id-reuse`` or ``ticket-mismatch``).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, MsgKind, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, MsgKind
 
 EXPECTED = None
 BENIGN = True
@@ -15,6 +15,7 @@ LINKS = ()
 FAMILY = "pull"
 FAULTS = ("reorder", "cancel")
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=1, faults={"reorder": 1, "cancel": 1})
+
 
 def ready_twice(m, s, r, q, ev):
     s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)

@@ -8,7 +8,7 @@ report it clean (no ``bad-free``).
 """
 
 from pdproto.models.benign_duplicate_notify import sent_twice
-from pdproto.protocol import HandoffModel, ModelConfig, MsgKind, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, MsgKind
 
 EXPECTED = None
 BENIGN = True
@@ -16,7 +16,9 @@ PROJECT = "pdproto"
 LINKS = ()
 FAMILY = "pull"
 FAULTS = ("loss", "reorder", "timeout")
-DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=1, faults={"loss": 1, "reorder": 1, "timeout": 1})
+DEFAULT_CONFIG = ModelConfig(
+    policy="pull", requests=2, blocks=1, faults={"loss": 1, "reorder": 1, "timeout": 1}
+)
 
 
 class BenignDuplicateRelease(HandoffModel):

@@ -8,7 +8,7 @@ wait for the data plane.  Family: pull.  The monitor must report it clean
 (no ``early-target-reuse``, no ``bad-free``).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 from pdproto.spec import Free
 
 EXPECTED = None
@@ -18,7 +18,9 @@ LINKS = ()
 FAMILY = "pull"
 FAULTS = ("cancel", "timeout")
 # prompt_len 4 with block_size 4: the prompt fills one block, D reserves two
-DEFAULT_CONFIG = ModelConfig(policy="pull", requests=2, blocks=2, prompt_len=4, faults={"cancel": 1, "timeout": 1})
+DEFAULT_CONFIG = ModelConfig(
+    policy="pull", requests=2, blocks=2, prompt_len=4, faults={"cancel": 1, "timeout": 1}
+)
 
 _FREE_TARGET = REFERENCE["pull"].free_target.effect
 

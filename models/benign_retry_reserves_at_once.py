@@ -8,7 +8,7 @@ monitor must report it clean (no ``stale-generation``, ``id-reuse`` or
 ``ticket-mismatch``).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = None
 BENIGN = True
@@ -16,8 +16,10 @@ PROJECT = "pdproto"
 LINKS = ()
 FAMILY = "push"
 FAULTS = ("timeout", "retry", "transfer_fail")
-DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1,
-                             faults={"timeout": 1, "retry": 2, "transfer_fail": 1})
+DEFAULT_CONFIG = ModelConfig(
+    policy="push", requests=1, blocks=1, faults={"timeout": 1, "retry": 2, "transfer_fail": 1}
+)
+
 
 def retry_and_reserve(m, s, r, q, ev):
     table = REFERENCE[m.policy]

@@ -7,7 +7,7 @@ Family: push.  The monitor must report it clean (no ``bad-free``, no
 ``early-source-free`` or ``early-target-reuse``, no ``leak``).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = None
 BENIGN = True
@@ -15,8 +15,9 @@ PROJECT = "pdproto"
 LINKS = ()
 FAMILY = "push"
 FAULTS = ("cancel", "timeout", "transfer_fail")
-DEFAULT_CONFIG = ModelConfig(policy="push", requests=2, blocks=1,
-                             faults={"cancel": 1, "timeout": 1, "transfer_fail": 1})
+DEFAULT_CONFIG = ModelConfig(
+    policy="push", requests=2, blocks=1, faults={"cancel": 1, "timeout": 1, "transfer_fail": 1}
+)
 
 _CLEANUP = REFERENCE["push"].cleanup.effect
 

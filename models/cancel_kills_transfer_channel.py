@@ -14,7 +14,7 @@ Family: pull (Dynamo's disaggregated TensorRT-LLM and vLLM paths prefill
 first, then the decode worker takes the KV).  Caught as ``leak``.
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = "leak"
 PROJECT = "dynamo"

@@ -18,7 +18,7 @@ for good).  Family: pull (vLLM behind Dynamo: P prefills first, D reads).
 Caught at a quiet state as ``leak``.
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig, Phase
 
 PROJECT = "dynamo"
 LINKS = ("https://github.com/ai-dynamo/dynamo/issues/13691", "https://github.com/ai-dynamo/dynamo/pull/14507")

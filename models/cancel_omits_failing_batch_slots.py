@@ -14,15 +14,23 @@ failing one.  Family: push (the sender writes into the receiver's slots).
 Caught at a quiet state as ``leak``.
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 PROJECT = "lmcache"
 LINKS = ("https://github.com/LMCache/LMCache/pull/3038",)
 FAMILY = "push"
 FAULTS = ("transfer_fail",)
 EXPECTED = "leak"
-DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=2, block_size=2, prompt_len=4, max_new_tokens=1,
-                             chunks=2, faults={"transfer_fail": 1})
+DEFAULT_CONFIG = ModelConfig(
+    policy="push",
+    requests=1,
+    blocks=2,
+    block_size=2,
+    prompt_len=4,
+    max_new_tokens=1,
+    chunks=2,
+    faults={"transfer_fail": 1},
+)
 
 _on_xfer_failed = REFERENCE["push"].on_xfer_failed.effect
 

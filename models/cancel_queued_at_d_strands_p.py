@@ -7,7 +7,7 @@ state as ``leak``.
 Family: pull.  https://github.com/vllm-project/vllm/issues/19223
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig, Phase
 
 EXPECTED = "leak"
 PROJECT = "vllm"

@@ -12,7 +12,7 @@ chunk starts after the abort.  Caught as ``resurrection``.
 Family: push.  https://github.com/sgl-project/sglang/issues/27372
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = "resurrection"
 PROJECT = "sglang"

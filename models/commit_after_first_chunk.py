@@ -13,7 +13,7 @@ only its positions (or layers) written.  Caught as ``commit-before-ready``.
 Family: push.  https://github.com/sgl-project/sglang/issues/22716
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = "commit-before-ready"
 PROJECT = "sglang"

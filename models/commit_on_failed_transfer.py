@@ -8,7 +8,7 @@ generation when the data plane fails the transfer.  Caught as
 Family: push.  https://github.com/vllm-project/vllm/issues/52234
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE, XferState
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig, XferState
 
 EXPECTED = "commit-before-ready"
 PROJECT = "vllm"

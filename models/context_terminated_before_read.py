@@ -16,7 +16,7 @@ name them), so D's read touches blocks P no longer holds.
 Family: pull.  Caught as ``foreign-block-access``.
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 from pdproto.spec import Free
 
 EXPECTED = "foreign-block-access"
@@ -28,6 +28,7 @@ LINKS = (
 FAMILY = "pull"
 FAULTS = ()
 DEFAULT_CONFIG = ModelConfig(policy="pull", requests=1, blocks=1)
+
 
 def hand_off_and_terminate(m, s, r, q, ev):
     # BUG: the finished context request is terminated while its handoff is in progress; the

@@ -9,7 +9,7 @@ Caught as ``early-target-reuse``.
 Family: push.  https://github.com/sgl-project/sglang/issues/35049
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = "early-target-reuse"
 PROJECT = "sglang"

@@ -7,7 +7,7 @@ gets one, so the blocks leak.  Caught at a quiet state as ``leak``.
 Family: push.  https://github.com/vllm-project/vllm/issues/46283
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE, XferState
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, Phase, XferState
 
 EXPECTED = "leak"
 PROJECT = "vllm"

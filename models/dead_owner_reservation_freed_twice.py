@@ -17,7 +17,7 @@ the accessor's cleanup; here the first is the restart's.)
 Family: pull (Mooncake's store: P puts, D gets).  Caught as ``bad-free``.
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig
 
 EXPECTED = "bad-free"
 PROJECT = "mooncake"

@@ -14,7 +14,7 @@ first.
 Family: push.  Caught as ``early-source-free``.
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 from pdproto.spec import Free
 
 EXPECTED = "early-source-free"

@@ -7,7 +7,7 @@ feeding the first token sampled by P at position prompt_len.  Caught as
 Family: push.  https://github.com/vllm-project/vllm/issues/50558
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = "first-token-boundary"
 PROJECT = "vllm"

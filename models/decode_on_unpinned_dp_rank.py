@@ -15,7 +15,7 @@ count).  Family: push (prefill ranks write into decode buffers).  Caught as
 committed).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 PROJECT = "atom"
 LINKS = ("https://github.com/ROCm/ATOM/pull/1505",)

@@ -11,11 +11,14 @@ guard leaves it out.  Family: push.  Caught as ``decode-continuity`` (a
 decode produces token 2 of at most ``max_new_tokens = 1``).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 PROJECT = "sglang"
-LINKS = ("https://github.com/sgl-project/sglang/pull/7147", "https://github.com/sgl-project/sglang/pull/7598",
-         "https://github.com/NVIDIA/TensorRT-LLM/pull/16691")
+LINKS = (
+    "https://github.com/sgl-project/sglang/pull/7147",
+    "https://github.com/sgl-project/sglang/pull/7598",
+    "https://github.com/NVIDIA/TensorRT-LLM/pull/16691",
+)
 FAMILY = "push"
 FAULTS = ()
 EXPECTED = "decode-continuity"

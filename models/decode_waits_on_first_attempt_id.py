@@ -16,7 +16,7 @@ fetches the KV).  Caught as ``ticket-mismatch``.
 
 import attrs
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 from pdproto.spec import Reserve
 
 PROJECT = "tensorrt-llm"

@@ -7,7 +7,7 @@ awaiting phase.  Caught as ``double-commit``.
 Family: push.  https://github.com/vllm-project/vllm/issues/46240
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE, XferState
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig, XferState
 
 EXPECTED = "double-commit"
 PROJECT = "vllm"
@@ -19,8 +19,14 @@ DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1, faults={"dup":
 
 def notify_awaited(m, s, msg, q):
     # BUG: no "already committed" check (the reference commits only while awaiting the KV)
-    return (q.gen == msg.gen and q.end is End.LIVE and q.xs is XferState.DONE and bool(q.dst)
-            and q.dinc == s.inc[q.d] and msg.to == q.d)
+    return (
+        q.gen == msg.gen
+        and q.end is End.LIVE
+        and q.xs is XferState.DONE
+        and bool(q.dst)
+        and q.dinc == s.inc[q.d]
+        and msg.to == q.d
+    )
 
 
 class DuplicateCompletionDoubleCommit(HandoffModel):

@@ -19,11 +19,14 @@ declared pool).
 
 import attrs
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 from pdproto.spec import TransferStart
 
 PROJECT = "sglang"
-LINKS = ("https://github.com/sgl-project/sglang/pull/31968", "https://github.com/sgl-project/sglang/issues/31295")
+LINKS = (
+    "https://github.com/sgl-project/sglang/pull/31968",
+    "https://github.com/sgl-project/sglang/issues/31295",
+)
 FAMILY = "push"
 FAULTS = ()
 CAVEAT = (
@@ -37,6 +40,7 @@ PREFILL_TP, DECODE_TP, KV_HEADS = 1, 4, 2
 UNIQUE_SLICES = KV_HEADS // PREFILL_TP  # head slices a P block really holds
 DECODE_RANK = DECODE_TP - 1  # the D rank this handoff writes to (it holds the last head)
 
+
 def descriptor_block(b):
     groups = DECODE_TP // PREFILL_TP  # BUG: should be UNIQUE_SLICES (replicated heads share a slice)
     return (b * groups + DECODE_RANK % groups) // UNIQUE_SLICES
@@ -46,7 +50,9 @@ def prefill_done_wrong_head_map(m, s, r, q, ev):
     first = len(ev)
     s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)  # pull: P starts no write here
     ev[first:] = [
-        attrs.evolve(e, src_blocks=tuple(descriptor_block(b) for b in e.src_blocks)) if type(e) is TransferStart else e
+        attrs.evolve(e, src_blocks=tuple(descriptor_block(b) for b in e.src_blocks))
+        if type(e) is TransferStart
+        else e
         for e in ev[first:]
     ]
     return s

@@ -13,10 +13,13 @@ push (D reserves first, P writes).  Caught as ``resurrection`` (a reserve for
 a terminal generation).
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig
 
 PROJECT = "tokenspeed"
-LINKS = ("https://github.com/smg-project/smg/pull/2463", "https://github.com/lightseekorg/tokenspeed/pull/1427")
+LINKS = (
+    "https://github.com/smg-project/smg/pull/2463",
+    "https://github.com/lightseekorg/tokenspeed/pull/1427",
+)
 FAMILY = "push"
 FAULTS = ("timeout",)
 PHASE = "queued"

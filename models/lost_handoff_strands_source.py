@@ -14,7 +14,7 @@ blocks.
 Family: pull.  Caught as ``stuck``.
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = "stuck"
 PROJECT = "vllm"

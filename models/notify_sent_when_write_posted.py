@@ -10,7 +10,7 @@ complete when it posts it and notifies D at once, so D commits while the
 transfer is still writing.  Family: push.  Caught as ``commit-before-ready``.
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, MsgKind, REFERENCE, XferState
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, MsgKind, XferState
 
 PROJECT = "nixl"
 LINKS = ("https://github.com/ai-dynamo/nixl/pull/252",)
@@ -18,6 +18,7 @@ FAMILY = "push"
 FAULTS = ()
 EXPECTED = "commit-before-ready"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
+
 
 def prefill_done_notify_on_post(m, s, r, q, ev):
     s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)

@@ -8,7 +8,7 @@ as soon as the read starts.  Caught as ``early-source-free``.
 Family: pull.  https://github.com/vllm-project/vllm/issues/21570
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, Phase
 
 EXPECTED = "early-source-free"
 PROJECT = "vllm"

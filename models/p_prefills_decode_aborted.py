@@ -17,7 +17,7 @@ Family: push (SGLang: D pre-allocates, P writes).  Caught as
 ``resurrection``.
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig
 
 EXPECTED = "resurrection"
 PROJECT = "sglang"

@@ -15,7 +15,7 @@ an ended generation, so the hold is for good).  Family: push (D reserves
 first).  Caught at a quiet state as ``leak``.
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig, Phase
 
 PROJECT = "sglang"
 LINKS = ("https://github.com/sgl-project/sglang/pull/28651",)

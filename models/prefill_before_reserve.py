@@ -7,7 +7,7 @@ starts prefill as soon as the request is queued.  Caught as
 Family: push.  https://github.com/sgl-project/sglang/issues/6351
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, Phase
 
 EXPECTED = "reserve-before-prefill"
 PROJECT = "sglang"
@@ -19,7 +19,9 @@ DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
 
 class PrefillBeforeReserve(HandoffModel):
     name = "prefill_before_reserve"
-    rules = REFERENCE.replace("prefill_start", phases=(Phase.QUEUED, Phase.RESERVED))  # BUG: no reservation needed
+    rules = REFERENCE.replace(
+        "prefill_start", phases=(Phase.QUEUED, Phase.RESERVED)
+    )  # BUG: no reservation needed
 
 
 def build(config: ModelConfig) -> HandoffModel:

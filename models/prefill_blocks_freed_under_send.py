@@ -12,7 +12,7 @@ reference frees P's source when the write has completed, and this mutant's
 Family: push.  Caught as ``early-source-free``.
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = "early-source-free"
 PROJECT = "dynamo"
@@ -21,8 +21,11 @@ FAMILY = "push"
 FAULTS = ()
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
 
+
 def send_from_returned_blocks(m, s, r, q, ev):
-    s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)  # push: starts the write from the prefill blocks
+    s = REFERENCE[m.policy].prefill_done.effect(
+        m, s, r, q, ev
+    )  # push: starts the write from the prefill blocks
     if m.xfer_of(s, r) < 0:
         return s  # pull: no send runs from the prefill blocks yet (D reads them later)
     # BUG: prefill blocks go back to the allocator at prefill completion, with no staging copy

@@ -17,7 +17,7 @@ record still shows the read in flight.  Family: pull.  Caught at a quiet
 state as ``stuck``.
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE, XferState
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig, XferState
 from pdproto.spec import Free, TransferFailed
 
 PROJECT = "vllm"

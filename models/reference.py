@@ -20,7 +20,9 @@ FAMILY = "push"
 #: checked in both families (the catalogue has a row for each)
 FAMILIES = ("push", "pull")
 FAULTS = ("cancel", "dup", "loss", "reorder", "restart", "timeout", "transfer_fail", "retry")
-DEFAULT_CONFIG = ModelConfig.all_faults(1, policy="push", requests=2, blocks=1, block_size=4, prompt_len=3, max_new_tokens=2)
+DEFAULT_CONFIG = ModelConfig.all_faults(
+    1, policy="push", requests=2, blocks=1, block_size=4, prompt_len=3, max_new_tokens=2
+)
 
 
 def build(config: ModelConfig) -> HandoffModel:

@@ -16,7 +16,7 @@ reference's cleanup reaches P, which frees its source, and this mutant's
 Family: pull.  Caught as ``leak``.
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig, Phase
 
 EXPECTED = "leak"
 PROJECT = "vllm"

@@ -14,7 +14,7 @@ flight, and releases D's target.
 Family: push.  Caught as ``early-target-reuse``.
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig
 
 EXPECTED = "early-target-reuse"
 PROJECT = "sglang"

@@ -14,7 +14,7 @@ blocks at once while the read can still write them.
 Family: pull.  Caught as ``early-target-reuse``.
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = "early-target-reuse"
 PROJECT = "nixl"

@@ -8,7 +8,7 @@ Caught as ``early-target-reuse``.
 Family: push.  https://github.com/ai-dynamo/nixl/issues/2027
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 
 EXPECTED = "early-target-reuse"
 PROJECT = "nixl"

@@ -17,7 +17,7 @@ replays.  Family: push (SGLang: D pre-allocates, P writes).  Caught as
 one).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, Phase, REFERENCE, Req
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, Phase, Req
 from pdproto.spec import Submit
 
 PROJECT = "sglang"

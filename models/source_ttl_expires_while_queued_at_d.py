@@ -12,7 +12,7 @@ longer holds.  Family: pull.  Caught as ``foreign-block-access`` (the read
 names blocks its generation does not own on P).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 from pdproto.spec import Free
 
 EXPECTED = "foreign-block-access"

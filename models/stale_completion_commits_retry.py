@@ -9,7 +9,7 @@ generation's ticket).
 Family: push.  https://github.com/volcano-sh/kthena/issues/1424
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, Phase, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig, Phase
 
 EXPECTED = "ticket-mismatch"
 PROJECT = "kthena"

@@ -12,10 +12,13 @@ client already cancelled.  Family: pull.  Caught as ``resurrection`` (a commit
 for a terminal generation).
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, MsgKind, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, MsgKind
 
 PROJECT = "vllm"
-LINKS = ("https://github.com/vllm-project/vllm/issues/43226", "https://github.com/vllm-project/vllm/pull/53079")
+LINKS = (
+    "https://github.com/vllm-project/vllm/issues/43226",
+    "https://github.com/vllm-project/vllm/pull/53079",
+)
 FAMILY = "pull"
 FAULTS = ("cancel",)
 PHASE = "transferring"

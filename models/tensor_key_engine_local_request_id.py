@@ -13,7 +13,7 @@ reserved.  Family: push (P writes into D).  Caught as ``ticket-mismatch``.
 
 import attrs
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig
 from pdproto.spec import TransferStart
 
 PROJECT = "vllm"
@@ -23,12 +23,14 @@ FAULTS = ()
 EXPECTED = "ticket-mismatch"
 DEFAULT_CONFIG = ModelConfig(policy="push", requests=1, blocks=1)
 
+
 def prefill_done_engine_local_key(m, s, r, q, ev):
     first = len(ev)
     s = REFERENCE[m.policy].prefill_done.effect(m, s, r, q, ev)  # pull: P starts no transfer here
     # BUG: P names the transfer after its own engine-local request id, not D's ticket
     ev[first:] = [
-        attrs.evolve(e, ticket=f"{e.ticket}-{m.wname[q.p]}") if type(e) is TransferStart else e for e in ev[first:]
+        attrs.evolve(e, ticket=f"{e.ticket}-{m.wname[q.p]}") if type(e) is TransferStart else e
+        for e in ev[first:]
     ]
     return s
 

@@ -16,7 +16,7 @@ Family: pull (TensorRT-LLM prefills on the context server first, then the
 generation server takes the KV).  Caught as ``leak``.
 """
 
-from pdproto.protocol import HandoffModel, ModelConfig, REFERENCE, XferState
+from pdproto.protocol import REFERENCE, HandoffModel, ModelConfig, XferState
 
 EXPECTED = "leak"
 PROJECT = "tensorrt-llm"

@@ -16,10 +16,13 @@ no timeout fault in the run, D waits for good.  Family: push.  Caught at a
 quiet state as ``stuck``.
 """
 
-from pdproto.protocol import End, HandoffModel, ModelConfig, REFERENCE
+from pdproto.protocol import REFERENCE, End, HandoffModel, ModelConfig
 
 PROJECT = "sglang"
-LINKS = ("https://github.com/sgl-project/sglang/pull/36108", "https://github.com/vllm-project/vllm/pull/50754")
+LINKS = (
+    "https://github.com/sgl-project/sglang/pull/36108",
+    "https://github.com/vllm-project/vllm/pull/50754",
+)
 FAMILY = "push"
 FAULTS = ("transfer_fail",)
 CAVEAT = (

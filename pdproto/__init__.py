@@ -15,33 +15,34 @@ order the data flows (docs/architecture.md):
 Importing pdproto imports neither torch, rich nor hypothesis.
 """
 
-from ._errors import HistoryFormatError as HistoryFormatError
 from ._errors import FileFormatError as FileFormatError
+from ._errors import HistoryFormatError as HistoryFormatError
 from ._errors import LimitError as LimitError
 from ._errors import MissingExtraError as MissingExtraError
 from ._errors import ModelLoadError as ModelLoadError
 from ._errors import PdprotoError as PdprotoError
 from ._errors import TransportError as TransportError
 from ._errors import UsageError as UsageError
+from ._version import __version__ as __version__
+from .drivers import Adapter as Adapter
+from .drivers import AuditResult as AuditResult
+from .drivers import ConformanceResult as ConformanceResult
 from .drivers import Counterexample as Counterexample
 from .drivers import ExploreResult as ExploreResult
-from .drivers import ModelInfo as ModelInfo
-from .drivers import Step as Step
-from .drivers import explore as explore
-from .drivers import audit as audit
-from .drivers import AuditResult as AuditResult
-from .drivers import conform as conform
-from .drivers import ConformanceResult as ConformanceResult
-from .drivers import replay as replay
-from .drivers import ReplayResult as ReplayResult
-from .drivers import fuzz as fuzz
 from .drivers import FuzzResult as FuzzResult
-from .drivers import list_models as list_models
-from .drivers import load_model as load_model
-from .drivers import Adapter as Adapter
 from .drivers import ModelAdapter as ModelAdapter
-from .drivers import load_adapter as load_adapter
+from .drivers import ModelInfo as ModelInfo
+from .drivers import ReplayResult as ReplayResult
+from .drivers import Step as Step
+from .drivers import audit as audit
+from .drivers import conform as conform
+from .drivers import explore as explore
+from .drivers import fuzz as fuzz
 from .drivers import fuzz_adapter as fuzz_adapter
+from .drivers import list_models as list_models
+from .drivers import load_adapter as load_adapter
+from .drivers import load_model as load_model
+from .drivers import replay as replay
 from .drivers import replay_on_adapter as replay_on_adapter
 from .protocol import FAULT_KINDS as FAULT_KINDS
 from .protocol import Action as Action
@@ -58,10 +59,8 @@ from .spec import EVENT_TYPES as EVENT_TYPES
 from .spec import FEATURES as FEATURES
 from .spec import FORMAT_VERSION as FORMAT_VERSION
 from .spec import FORMAT_VERSIONS as FORMAT_VERSIONS
-from .spec import INVARIANTS as INVARIANTS
 from .spec import INVARIANT_NEEDS as INVARIANT_NEEDS
-from .spec import Observation as Observation
-from .spec import PartialMonitor as PartialMonitor
+from .spec import INVARIANTS as INVARIANTS
 from .spec import Alloc as Alloc
 from .spec import Cancel as Cancel
 from .spec import Commit as Commit
@@ -73,11 +72,13 @@ from .spec import Free as Free
 from .spec import HistoryHeader as HistoryHeader
 from .spec import HistoryReader as HistoryReader
 from .spec import HistoryWriter as HistoryWriter
+from .spec import KVSpec as KVSpec
 from .spec import Monitor as Monitor
+from .spec import Observation as Observation
+from .spec import PartialMonitor as PartialMonitor
 from .spec import PrefillDone as PrefillDone
 from .spec import PrefillStart as PrefillStart
 from .spec import Reserve as Reserve
-from .spec import KVSpec as KVSpec
 from .spec import Restart as Restart
 from .spec import Share as Share
 from .spec import Submit as Submit
@@ -92,8 +93,6 @@ from .spec import event_from_dict as event_from_dict
 from .spec import open_history as open_history
 from .spec import read_events as read_events
 from .spec import write_history as write_history
-
-from ._version import __version__ as __version__
 
 __all__ = [
     # errors
@@ -189,8 +188,9 @@ __all__ = [
 
 # The backends import torch (and transformers), which `import pdproto` must
 # not: their names are loaded on first use.
-_LAZY = frozenset({"TorchBackend", "KVCorruption", "KV_CORRUPTION", "ModelBackend", "LogitDivergence",
-                   "LOGIT_DIVERGENCE"})
+_LAZY = frozenset(
+    {"TorchBackend", "KVCorruption", "KV_CORRUPTION", "ModelBackend", "LogitDivergence", "LOGIT_DIVERGENCE"}
+)
 
 
 def __getattr__(name: str) -> object:

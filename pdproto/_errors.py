@@ -85,11 +85,9 @@ class HistoryFormatError(FileFormatError):
     ) -> None:
         super().__init__(problem, source=source, line=line, field=field, value=value)
 
-    def located(self, source: str, line: int) -> "HistoryFormatError":
+    def located(self, source: str, line: int) -> HistoryFormatError:
         """The same error, placed at ``source``:``line``."""
-        return HistoryFormatError(
-            self.problem, source=source, line=line, field=self.field, value=self.value
-        )
+        return HistoryFormatError(self.problem, source=source, line=line, field=self.field, value=self.value)
 
 
 class LimitError(PdprotoError, ValueError):
@@ -153,8 +151,9 @@ class ModelLoadError(PdprotoError):
     the ``__cause__``, which ``pdproto --debug`` prints in full).
     """
 
-    def __init__(self, spec: str, stage: str, error: BaseException, file: str | None = None,
-                 line: int = 0) -> None:
+    def __init__(
+        self, spec: str, stage: str, error: BaseException, file: str | None = None, line: int = 0
+    ) -> None:
         self.spec = spec
         self.stage = stage
         self.error = error
@@ -166,9 +165,7 @@ class ModelLoadError(PdprotoError):
         if len(text) > 200:
             text = text[:200] + "..."
         kind = type(error).__name__
-        super().__init__(
-            f"model {spec!r} failed at {stage}: {where}{kind}" + (f": {text}" if text else "")
-        )
+        super().__init__(f"model {spec!r} failed at {stage}: {where}{kind}" + (f": {text}" if text else ""))
 
 
 def format_amount(value: int, unit: str = "bytes") -> str:
@@ -200,8 +197,14 @@ def parse_int(text: str, what: str, *, minimum: int | None = None, maximum: int 
     # that int() refuses around a number
     s = text.strip(" \t\n\r\x0b\x0c") if isinstance(text, str) else ""
     digits = s[1:] if s[:1] in ("+", "-") else s
-    if not (digits and digits.isascii() and digits.replace("_", "").isdigit()
-            and not digits.startswith("_") and not digits.endswith("_") and "__" not in digits):
+    if not (
+        digits
+        and digits.isascii()
+        and digits.replace("_", "").isdigit()
+        and not digits.startswith("_")
+        and not digits.endswith("_")
+        and "__" not in digits
+    ):
         raise UsageError(what, text, f"an integer{bounds} in ASCII digits")
     if len(digits) > MAX_INT_DIGITS:
         raise UsageError(what, f"{s[:12]}... ({len(digits)} digits)", f"an integer{bounds}")

@@ -59,8 +59,14 @@ def pdproto_fuzz(tmp_path: Any) -> Any:
 
     from .testing import handoff_machine
 
-    def fuzz(model: Any, *, examples: int | None = None, steps: int | None = None, out: Any = None,
-             explain: bool = False) -> Any:
+    def fuzz(
+        model: Any,
+        *,
+        examples: int | None = None,
+        steps: int | None = None,
+        out: Any = None,
+        explain: bool = False,
+    ) -> Any:
         path = out if out is not None else tmp_path / "failure.jsonl"
         machine = handoff_machine(model, out=path)
         phases = [p for p in settings().phases if explain or p is not Phase.explain]

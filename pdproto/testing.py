@@ -41,7 +41,7 @@ Importing this module imports Hypothesis; ``import pdproto`` does not.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st

@@ -25,8 +25,16 @@ from ._args import EXIT_VIOLATION as EXIT_VIOLATION
 from ._args import positive_int as positive_int
 from ._args import print_error
 
-__all__ = ["COMMANDS", "EXIT_OK", "EXIT_VIOLATION", "EXIT_BAD_INPUT", "build_parser", "main", "entry",
-           "positive_int"]
+__all__ = [
+    "COMMANDS",
+    "EXIT_OK",
+    "EXIT_VIOLATION",
+    "EXIT_BAD_INPUT",
+    "build_parser",
+    "main",
+    "entry",
+    "positive_int",
+]
 
 # Order is the order shown by ``pdproto --help``.
 COMMANDS = ("check", "fuzz", "audit", "conform", "import", "replay", "corpus", "cost", "simulate")
@@ -48,14 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Model and verify the prefill->decode KV handoff protocol.",
     )
     parser.add_argument("--version", action="version", version=f"pdproto {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="on an error, print the full traceback as well as the one-line message")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="on an error, print the full traceback as well as the one-line message",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"{__name__}._{name}").add_parser(sub)
     for command in sub.choices.values():  # --debug after the command works too
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                             help="on an error, print the full traceback too")
+        command.add_argument(
+            "--debug",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="on an error, print the full traceback too",
+        )
     return parser
 
 

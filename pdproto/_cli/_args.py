@@ -12,7 +12,8 @@ import json
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .._errors import PdprotoError, UsageError, parse_int
 
@@ -54,8 +55,22 @@ def int_type(minimum: int | None = None, maximum: int | None = None) -> Callable
 #: An argparse type: an integer >= 1.
 positive_int = int_type(minimum=1)
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 2**10, "m": 2**20, "mib": 2**20,
-          "mb": 2**20, "g": 2**30, "gib": 2**30, "gb": 2**30, "t": 2**40, "tib": 2**40, "tb": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "kb": 2**10,
+    "m": 2**20,
+    "mib": 2**20,
+    "mb": 2**20,
+    "g": 2**30,
+    "gib": 2**30,
+    "gb": 2**30,
+    "t": 2**40,
+    "tib": 2**40,
+    "tb": 2**40,
+}
 
 
 def parse_size(text: str, what: str) -> int:
@@ -116,8 +131,8 @@ def print_error(command: str | None, exc: BaseException, *, debug: bool = False)
     if debug:
         traceback.print_exception(exc)
     prefix = f"pdproto {command}" if command else "pdproto"
-    message = one_line(str(exc)) if isinstance(exc, PdprotoError) else one_line(
-        f"{type(exc).__name__}: {exc}"
+    message = (
+        one_line(str(exc)) if isinstance(exc, PdprotoError) else one_line(f"{type(exc).__name__}: {exc}")
     )
     sys.stderr.write(f"{prefix}: error: {message}\n")
     sys.stderr.flush()

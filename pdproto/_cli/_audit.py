@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from .._errors import UsageError
 from ..drivers._audit import AuditResult, audit
 from ..spec._history import MAX_LINE_BYTES, POLICIES
 from ..spec._monitor import INVARIANTS
-from .._errors import UsageError
 from ._args import esc, positive_int, print_result
 
 
@@ -25,9 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "malformed or unreadable."
         ),
     )
-    p.add_argument(
-        "file", metavar="FILE", nargs="?", help="the history to audit, or - for standard input"
-    )
+    p.add_argument("file", metavar="FILE", nargs="?", help="the history to audit, or - for standard input")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument(
         "--policy",
@@ -46,12 +45,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         action="extend",
         metavar="INVARIANT",
-        help="invariant ids not to report, space- or comma-separated ("
-        + ", ".join(INVARIANTS)
-        + ")",
+        help="invariant ids not to report, space- or comma-separated (" + ", ".join(INVARIANTS) + ")",
     )
-    p.add_argument("--max-line-bytes", type=positive_int, default=MAX_LINE_BYTES, metavar="N",
-                   help=f"longest line accepted, in bytes (default {MAX_LINE_BYTES:,})")
+    p.add_argument(
+        "--max-line-bytes",
+        type=positive_int,
+        default=MAX_LINE_BYTES,
+        metavar="N",
+        help=f"longest line accepted, in bytes (default {MAX_LINE_BYTES:,})",
+    )
     p.add_argument(
         "--observed",
         action="append",
@@ -79,8 +81,14 @@ def split_skip(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace, console: Any) -> int:
     args.skip = split_skip(args)
     observed = ",".join(args.observed) if args.observed else None
-    result = audit(args.file, policy=args.policy, complete=args.complete, skip=args.skip,
-                   max_line_bytes=args.max_line_bytes, observed=observed)
+    result = audit(
+        args.file,
+        policy=args.policy,
+        complete=args.complete,
+        skip=args.skip,
+        max_line_bytes=args.max_line_bytes,
+        observed=observed,
+    )
     return print_result(result, args.json, lambda: _print_report(console, args.file, result))
 
 
@@ -90,13 +98,13 @@ def _print_report(console: Any, path: str, result: AuditResult) -> None:
     mode = f"policy {result.policy}, " + ("complete" if result.complete else "not complete")
     if result.observed is not None:
         mode += ", partial"
-    console.print(
-        f"[bold]{esc(name)}[/]: {result.events} events, {result.requests} requests ({mode})"
-    )
+    console.print(f"[bold]{esc(name)}[/]: {result.events} events, {result.requests} requests ({mode})")
     if result.observed is not None:
         console.print(f"observed: {esc(', '.join(result.observed)) or '(no kind)'}")
         if result.not_judged:
-            console.print(f"[yellow]not judged[/] ({len(result.not_judged)}): the observed kinds cannot prove them")
+            console.print(
+                f"[yellow]not judged[/] ({len(result.not_judged)}): the observed kinds cannot prove them"
+            )
             for inv, _, missing in result.not_judged:
                 console.print(f"  {esc(inv)}: needs {esc(', '.join(missing))}")
     if not violations:

@@ -35,78 +35,148 @@ def add_parser(sub: Any) -> None:
         ),
     )
     p.add_argument(
-        "model", nargs="?", metavar="MODEL",
+        "model",
+        nargs="?",
+        metavar="MODEL",
         help="a name from the catalogue (see --list), a path to a model file, or "
         "module:attribute (default: the reference model)",
     )
     p.add_argument("--list", action="store_true", help="list the catalogue's models and exit")
-    p.add_argument("--policy", "--mode", dest="policy", choices=POLICIES,
-                   help="protocol family of the configuration (--mode is the same flag)")
+    p.add_argument(
+        "--policy",
+        "--mode",
+        dest="policy",
+        choices=POLICIES,
+        help="protocol family of the configuration (--mode is the same flag)",
+    )
     p.add_argument("--requests", type=positive_int, metavar="N", help="number of requests")
     p.add_argument("--blocks", type=positive_int, metavar="N", help="block pool size of every worker")
     p.add_argument(
-        "--faults", metavar="KIND=N,...",
+        "--faults",
+        metavar="KIND=N,...",
         help="fault budgets replacing the model's defaults (kinds not named get 0), e.g. "
         "cancel=1,dup=1 (also all=1, none)",
     )
-    p.add_argument("--prefix-cache", action="store_true", default=None,
-                   help="format 1.1: P caches the prompt's prefix (its full blocks before the last token) "
-                   "and later prefills share it (share events; needs --prompt-len > --block-size)")
-    p.add_argument("--chunks", type=positive_int, metavar="N",
-                   help="format 1.1: the handoff is N transfers under one ticket, each for a range of "
-                   "prompt positions (with --layerwise: one layer each); default 1")
-    p.add_argument("--layerwise", action="store_true", default=None,
-                   help="with --chunks N (N >= 2): chunk i moves layer i of N layers, every position")
+    p.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        default=None,
+        help="format 1.1: P caches the prompt's prefix (its full blocks before the last token) "
+        "and later prefills share it (share events; needs --prompt-len > --block-size)",
+    )
+    p.add_argument(
+        "--chunks",
+        type=positive_int,
+        metavar="N",
+        help="format 1.1: the handoff is N transfers under one ticket, each for a range of "
+        "prompt positions (with --layerwise: one layer each); default 1",
+    )
+    p.add_argument(
+        "--layerwise",
+        action="store_true",
+        default=None,
+        help="with --chunks N (N >= 2): chunk i moves layer i of N layers, every position",
+    )
     p.add_argument("--block-size", type=positive_int, metavar="N", help="tokens per KV block")
     p.add_argument("--prompt-len", type=positive_int, metavar="N", help="prompt length of every request")
-    p.add_argument("--max-states", type=positive_int, metavar="N",
-                   help="stop after N distinct states (a partial report: JSON partial and stopped_by)")
-    p.add_argument("--max-seconds", type=_seconds, metavar="S",
-                   help="stop after S seconds (a partial report: JSON partial and stopped_by)")
-    p.add_argument("--workers", type=_workers_value, action="append", metavar="N|P:D",
-                   help="N: explore on N worker processes, states partitioned by hash (same answers as "
-                   "the serial search; see docs/scaling.md); P:D: the model's prefill and decode worker "
-                   "counts, e.g. 2:2, as in pdproto fuzz (give the flag twice for both)")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="explore on Ray actors (--workers of them, default 2): a local Ray instance, "
-                   "or the cluster at ADDRESS (auto, ray://HEAD:10001); needs pdproto[ray]")
-    p.add_argument("--fingerprint", action="store_true",
-                   help="keep 64-bit fingerprints instead of states (less memory; prints the "
-                   "probability that a hash collision hid a state)")
+    p.add_argument(
+        "--max-states",
+        type=positive_int,
+        metavar="N",
+        help="stop after N distinct states (a partial report: JSON partial and stopped_by)",
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=_seconds,
+        metavar="S",
+        help="stop after S seconds (a partial report: JSON partial and stopped_by)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_workers_value,
+        action="append",
+        metavar="N|P:D",
+        help="N: explore on N worker processes, states partitioned by hash (same answers as "
+        "the serial search; see docs/scaling.md); P:D: the model's prefill and decode worker "
+        "counts, e.g. 2:2, as in pdproto fuzz (give the flag twice for both)",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="explore on Ray actors (--workers of them, default 2): a local Ray instance, "
+        "or the cluster at ADDRESS (auto, ray://HEAD:10001); needs pdproto[ray]",
+    )
+    p.add_argument(
+        "--fingerprint",
+        action="store_true",
+        help="keep 64-bit fingerprints instead of states (less memory; prints the "
+        "probability that a hash collision hid a state)",
+    )
     p.add_argument("--no-symmetry", action="store_true", help="do not reduce by symmetry")
-    p.add_argument("--no-monitor", action="store_true",
-                   help="check the model against its own invariants and sometimes properties "
-                   "alone (no event monitor: for models that emit no handoff events)")
-    p.add_argument("--continue", dest="keep_going", action="store_true",
-                   help="keep exploring after a counterexample (one shortest trace per invariant)")
-    p.add_argument("--backend", choices=("torch",), default=None,
-                   help="also run every explored step on real paged KV buffers (torch) along the "
-                   "breadth-first tree and report kv-corruption (capped at "
-                   f"{BACKEND_DEFAULT_STATES:,} states unless --max-states, at most "
-                   f"{BACKEND_MAX_STATES:,})")
+    p.add_argument(
+        "--no-monitor",
+        action="store_true",
+        help="check the model against its own invariants and sometimes properties "
+        "alone (no event monitor: for models that emit no handoff events)",
+    )
+    p.add_argument(
+        "--continue",
+        dest="keep_going",
+        action="store_true",
+        help="keep exploring after a counterexample (one shortest trace per invariant)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("torch",),
+        default=None,
+        help="also run every explored step on real paged KV buffers (torch) along the "
+        "breadth-first tree and report kv-corruption (capped at "
+        f"{BACKEND_DEFAULT_STATES:,} states unless --max-states, at most "
+        f"{BACKEND_MAX_STATES:,})",
+    )
     p.add_argument("--device", default=None, help="with --backend torch: cpu (default) or cuda")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
-                   help="with --backend torch: KV dtype (default bfloat16)")
-    p.add_argument("--transport", default=None, choices=TRANSPORTS,
-                   help="with --backend torch: how transfers move KV (as pdproto replay --transport; default copy)")
-    p.add_argument("--transformer", default=None, metavar="NAME|PATH",
-                   help="with --backend torch: also run a real transformer (as pdproto replay --model: "
-                   "tiny-llama, tiny-qwen2, tiny-mistral, smollm2-135m or a local model folder) on every "
-                   "explored step and compare its logits with a colocated run (logit-divergence; slow: "
-                   "for small searches)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float16", "float32", "bf16", "fp16", "fp32"),
+        help="with --backend torch: KV dtype (default bfloat16)",
+    )
+    p.add_argument(
+        "--transport",
+        default=None,
+        choices=TRANSPORTS,
+        help="with --backend torch: how transfers move KV (as pdproto replay --transport; default copy)",
+    )
+    p.add_argument(
+        "--transformer",
+        default=None,
+        metavar="NAME|PATH",
+        help="with --backend torch: also run a real transformer (as pdproto replay --model: "
+        "tiny-llama, tiny-qwen2, tiny-mistral, smollm2-135m or a local model folder) on every "
+        "explored step and compare its logits with a colocated run (logit-divergence; slow: "
+        "for small searches)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--out", metavar="TRACE.jsonl",
-                   help="write the (first) counterexample as a history that `pdproto audit` reads")
-    p.add_argument("--graph", metavar="FILE",
-                   help=f"write the explored state graph (.graphml or .dot; at most {GRAPH_LIMIT} states)")
+    p.add_argument(
+        "--out",
+        metavar="TRACE.jsonl",
+        help="write the (first) counterexample as a history that `pdproto audit` reads",
+    )
+    p.add_argument(
+        "--graph",
+        metavar="FILE",
+        help=f"write the explored state graph (.graphml or .dot; at most {GRAPH_LIMIT} states)",
+    )
     p.set_defaults(run=run)
 
 
-
 def run(args: argparse.Namespace, console: Any) -> int:
-    from ..protocol._config import parse_faults
     from ..drivers._explore import explore
     from ..drivers._loader import list_models, load_model
+    from ..protocol._config import parse_faults
 
     if args.list:
         return _list(args, console, list_models())
@@ -119,16 +189,26 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if parallel and args.graph is not None:
         raise UsageError("--graph with --workers/--ray", args.graph, "a serial search (drop --workers/--ray)")
     if parallel and args.backend is not None:
-        raise UsageError("--backend with --workers/--ray", args.backend, "a serial search (drop --workers/--ray)")
+        raise UsageError(
+            "--backend with --workers/--ray", args.backend, "a serial search (drop --workers/--ray)"
+        )
     check_output_path(args.out, "--out")  # before the run, not at its end
     check_output_path(args.graph, "--graph")
     backend_opts = _backend_options(args)
     faults = parse_faults(args.faults) if args.faults is not None else None
     model, info = load_model(
-        args.model, mode=args.policy, requests=args.requests, blocks=args.blocks, faults=faults,
-        prefix_cache=args.prefix_cache, chunks=args.chunks, layerwise=args.layerwise,
-        block_size=args.block_size, prompt_len=args.prompt_len,
-        prefill_workers=model_workers[0], decode_workers=model_workers[1],
+        args.model,
+        mode=args.policy,
+        requests=args.requests,
+        blocks=args.blocks,
+        faults=faults,
+        prefix_cache=args.prefix_cache,
+        chunks=args.chunks,
+        layerwise=args.layerwise,
+        block_size=args.block_size,
+        prompt_len=args.prompt_len,
+        prefill_workers=model_workers[0],
+        decode_workers=model_workers[1],
     )
     for warning in info.warnings:  # one plain line each, never wrapped
         print(f"pdproto check: warning: {warning}", file=sys.stderr)
@@ -165,7 +245,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if args.graph is not None:
         if result.graph is None:
             raise UsageError(
-                "--graph", args.graph,
+                "--graph",
+                args.graph,
                 f"a state space of at most {GRAPH_LIMIT} states (this one has more than that; "
                 "use a smaller configuration or --max-states)",
             )
@@ -236,14 +317,19 @@ def _seconds(text: str) -> float:
 def _backend_options(args: argparse.Namespace) -> dict[str, Any] | None:
     """Check the --backend options (before loading anything); None without --backend."""
     if args.backend is None:
-        for flag, value in (("--device", args.device), ("--dtype", args.dtype),
-                            ("--transformer", args.transformer), ("--transport", args.transport)):
+        for flag, value in (
+            ("--device", args.device),
+            ("--dtype", args.dtype),
+            ("--transformer", args.transformer),
+            ("--transport", args.transport),
+        ):
             if value is not None:
                 raise UsageError(flag, value, "--backend torch along with it")
         return None
     if args.max_states is not None and args.max_states > BACKEND_MAX_STATES:
         raise UsageError(
-            "--max-states with --backend torch", args.max_states,
+            "--max-states with --backend torch",
+            args.max_states,
             f"at most {BACKEND_MAX_STATES:,} (every state of the search frontier holds its own "
             "KV pools; check larger spaces without --backend)",
         )
@@ -268,8 +354,9 @@ def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
     if "model" in opts:  # a real transformer beside the ownership channel (its own layers and heads)
         from ..drivers._replay import model_backend_factory
 
-        make = model_backend_factory(opts["model"], device=opts["device"], dtype=opts["dtype"],
-                                     head_dim=opts["head_dim"])
+        make = model_backend_factory(
+            opts["model"], device=opts["device"], dtype=opts["dtype"], head_dim=opts["head_dim"]
+        )
         first = make(header)  # a bad model, --device or --dtype fails before the search
         opts["device"] = str(first.device)
         opts["layers"], opts["kv_heads"] = first.m.layers, first.m.kv_heads
@@ -281,15 +368,29 @@ def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
 
     tr = load_transport(opts.get("transport"))  # one transport (its agents) for every state's backend
     # one backend now: a bad --device or --dtype fails before the search
-    first = tb.TorchBackend(header, device=opts["device"], dtype=opts["dtype"], layers=opts["layers"],
-                            kv_heads=opts["kv_heads"], head_dim=opts["head_dim"], transport=tr)
+    first = tb.TorchBackend(
+        header,
+        device=opts["device"],
+        dtype=opts["dtype"],
+        layers=opts["layers"],
+        kv_heads=opts["kv_heads"],
+        head_dim=opts["head_dim"],
+        transport=tr,
+    )
     opts["device"] = str(first.device)
     opts["dtype"] = first.layout.dtype
     opts["block_size"] = first.layout.block_size
 
     def factory() -> Any:
-        return tb.TorchBackend(header, device=opts["device"], dtype=opts["dtype"], layers=opts["layers"],
-                               kv_heads=opts["kv_heads"], head_dim=opts["head_dim"], transport=tr)
+        return tb.TorchBackend(
+            header,
+            device=opts["device"],
+            dtype=opts["dtype"],
+            layers=opts["layers"],
+            kv_heads=opts["kv_heads"],
+            head_dim=opts["head_dim"],
+            transport=tr,
+        )
 
     factory.close = tr.close  # type: ignore[attr-defined]
     return factory
@@ -338,8 +439,14 @@ def _list(args: argparse.Namespace, console: Any, models: list) -> int:
         table.add_column(column)
     for r in rows:
         expected = r["expected"] or ("none (benign)" if r["benign"] else "none (correct)")
-        table.add_row(esc(r["model"]), esc(expected), esc(r["project"]), esc(r["family"]),
-                      esc(", ".join(r["faults"]) or "-"), esc(r["summary"]))
+        table.add_row(
+            esc(r["model"]),
+            esc(expected),
+            esc(r["project"]),
+            esc(r["family"]),
+            esc(", ".join(r["faults"]) or "-"),
+            esc(r["summary"]),
+        )
     console.print(table)
     return EXIT_OK
 
@@ -371,8 +478,12 @@ def progress_line(info: dict[str, Any]) -> str:
     tail)."""
     sec = info["seconds"]
     rate = info["states"] / sec if sec > 0 else 0.0
-    parts = [f"exploring: {info['states']:,} states ({rate:,.0f}/s)", f"{info['transitions']:,} transitions",
-             f"level {info.get('level', info['depth'])}", f"frontier {info.get('frontier', info['queue']):,}"]
+    parts = [
+        f"exploring: {info['states']:,} states ({rate:,.0f}/s)",
+        f"{info['transitions']:,} transitions",
+        f"level {info.get('level', info['depth'])}",
+        f"frontier {info.get('frontier', info['queue']):,}",
+    ]
     if info.get("memory"):
         parts.append(f"{info['memory'] / 2**20:,.0f} MiB")
     if info.get("workers"):
@@ -409,8 +520,14 @@ def _event_text(ev: Any) -> str:
     return f"{name}(" + " ".join(parts) + ")"
 
 
-def _report(console: Any, result: Any, info: Any, written: str | None, args: argparse.Namespace,
-            backend_opts: dict[str, Any] | None = None) -> None:
+def _report(
+    console: Any,
+    result: Any,
+    info: Any,
+    written: str | None,
+    args: argparse.Namespace,
+    backend_opts: dict[str, Any] | None = None,
+) -> None:
     from rich.table import Table
 
     verdict = "[bold green]OK[/]" if result.ok else "[bold red]FAILED[/]"
@@ -422,20 +539,37 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
         table.add_row("configuration", esc(_config_text(info.config)))
     if info.has_expected:
         table.add_row("expected", info.expected or "no violation (correct model)")
-    table.add_row("distinct states", f"{result.states:,}" + ("" if result.complete else
-                  (f" (partial: stopped by --{(result.stopped_by or 'max_states').replace('_', '-')}, "
-                   "not exhaustive)" if result.truncated else " (stopped at the first counterexample)")))
+    table.add_row(
+        "distinct states",
+        f"{result.states:,}"
+        + (
+            ""
+            if result.complete
+            else (
+                f" (partial: stopped by --{(result.stopped_by or 'max_states').replace('_', '-')}, "
+                "not exhaustive)"
+                if result.truncated
+                else " (stopped at the first counterexample)"
+            )
+        ),
+    )
     if result.truncated and backend_opts is not None and args.max_states is None:
-        table.add_row("", f"[yellow]--backend torch stops at {BACKEND_DEFAULT_STATES:,} states unless "
-                      f"--max-states (at most {BACKEND_MAX_STATES:,})[/]")
+        table.add_row(
+            "",
+            f"[yellow]--backend torch stops at {BACKEND_DEFAULT_STATES:,} states unless "
+            f"--max-states (at most {BACKEND_MAX_STATES:,})[/]",
+        )
     table.add_row("transitions", f"{result.transitions:,}")
     table.add_row("depth", str(result.depth))
     sps = result.states_per_second
     table.add_row("time", f"{result.seconds:.2f} s ({sps:,.0f} states/s)")
     table.add_row("symmetry", result.symmetry)
     if args.workers is not None or args.ray is not None:
-        where = "Ray actors" + (f" at {args.ray}" if args.ray else " (local Ray)") if args.ray is not None \
+        where = (
+            "Ray actors" + (f" at {args.ray}" if args.ray else " (local Ray)")
+            if args.ray is not None
             else "worker processes"
+        )
         table.add_row("parallel", f"{args.workers or 2} {where}, level-synchronous (docs/scaling.md)")
     if args.no_monitor:
         table.add_row("monitor", "off (the model's own invariants and sometimes only)")
@@ -463,16 +597,24 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
         elif result.met_sometimes:
             table.add_row("sometimes", f"all {len(result.met_sometimes)} reached")
     elif result.unmet_sometimes:
-        table.add_row("sometimes", "not judged (search incomplete); not yet reached: "
-                      + ", ".join(result.unmet_sometimes))
+        table.add_row(
+            "sometimes",
+            "not judged (search incomplete); not yet reached: " + ", ".join(result.unmet_sometimes),
+        )
     console.print(table)
 
     for cx in result.failures:
-        kind = {"violation": "violation", "deadlock": "deadlock",
-                "state-invariant": "state invariant"}[cx.kind]
+        kind = {"violation": "violation", "deadlock": "deadlock", "state-invariant": "state invariant"}[
+            cx.kind
+        ]
         console.print()
-        console.print(f"[bold red]{kind}: {cx.invariant}[/] ({len(cx.trace)} steps, shortest): ",
-                      esc(cx.message), sep="", markup=True, highlight=False)
+        console.print(
+            f"[bold red]{kind}: {cx.invariant}[/] ({len(cx.trace)} steps, shortest): ",
+            esc(cx.message),
+            sep="",
+            markup=True,
+            highlight=False,
+        )
         steps = Table(show_lines=False)
         steps.add_column("#", justify="right")
         steps.add_column("actor")
@@ -480,13 +622,19 @@ def _report(console: Any, result: Any, info: Any, written: str | None, args: arg
         steps.add_column("events")
         for s in cx.trace:
             action = str(s.action) + (" [fault]" if s.fault else "")
-            steps.add_row(str(s.index), esc(s.actor or "?"), esc(action),
-                          esc("\n".join(_event_text(e) for e in s.events) or "-"))
+            steps.add_row(
+                str(s.index),
+                esc(s.actor or "?"),
+                esc(action),
+                esc("\n".join(_event_text(e) for e in s.events) or "-"),
+            )
         console.print(steps)
         if cx.kind == "deadlock":
             console.print("no action is enabled after the last step, and the history ends here.")
     if written is not None:
-        console.print(f"counterexample written to {esc(written)} (check it with: pdproto audit {esc(written)})")
+        console.print(
+            f"counterexample written to {esc(written)} (check it with: pdproto audit {esc(written)})"
+        )
     elif args.out is not None:
         console.print(f"no counterexample; {esc(args.out)} not written")
 

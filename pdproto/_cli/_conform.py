@@ -27,32 +27,60 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("file", metavar="HISTORY", help="the history (JSON Lines), or - for standard input")
-    p.add_argument("--model", default="reference", metavar="MODEL",
-                   help="a catalogue name (pdproto check --list), a model file or module:attr (default: reference)")
-    p.add_argument("--policy", choices=POLICIES, default=None,
-                   help="protocol family (overrides the header; default: the header's, else push)")
-    p.add_argument("--observed", default=None, metavar="KINDS",
-                   help="the event kinds the history observed, comma-separated (overrides the header; "
-                   "default: the header's, else all): " + ", ".join(EVENT_TYPES))
-    p.add_argument("--complete", action="store_true",
-                   help="the history runs until the system went quiet: every model step it began must be seen whole")
-    p.add_argument("--block-size", type=positive_int, default=None, metavar="N",
-                   help="tokens per block (default: the header's, else inferred from the block counts)")
+    p.add_argument(
+        "--model",
+        default="reference",
+        metavar="MODEL",
+        help="a catalogue name (pdproto check --list), a model file or module:attr (default: reference)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=None,
+        help="protocol family (overrides the header; default: the header's, else push)",
+    )
+    p.add_argument(
+        "--observed",
+        default=None,
+        metavar="KINDS",
+        help="the event kinds the history observed, comma-separated (overrides the header; "
+        "default: the header's, else all): " + ", ".join(EVENT_TYPES),
+    )
+    p.add_argument(
+        "--complete",
+        action="store_true",
+        help="the history runs until the system went quiet: every model step it began must be seen whole",
+    )
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tokens per block (default: the header's, else inferred from the block counts)",
+    )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    result = conform(args.file, args.model, policy=args.policy, observed=args.observed,
-                     complete=True if args.complete else None, block_size=args.block_size)
+    result = conform(
+        args.file,
+        args.model,
+        policy=args.policy,
+        observed=args.observed,
+        complete=True if args.complete else None,
+        block_size=args.block_size,
+    )
     return print_result(result, args.json, lambda: _print_report(console, args.file, result))
 
 
 def _print_report(console: Any, path: str, result: ConformanceResult) -> None:
     name = "<stdin>" if path == "-" else path
     partial = "" if len(result.observed) == len(EVENT_TYPES) else f", observed: {', '.join(result.observed)}"
-    console.print(f"[bold]{esc(name)}[/]: {result.events} events, {result.requests} requests "
-                  f"(model {esc(result.model)}, policy {result.policy}{esc(partial)})")
+    console.print(
+        f"[bold]{esc(name)}[/]: {result.events} events, {result.requests} requests "
+        f"(model {esc(result.model)}, policy {result.policy}{esc(partial)})"
+    )
     if result.ok:
         console.print(f"[green]conforms[/]: a behaviour of {esc(result.model)} explains every event")
     else:
@@ -62,7 +90,9 @@ def _print_report(console: Any, path: str, result: ConformanceResult) -> None:
             console.print(f"  event: {esc(str(dict(result.event)))}")
         if result.states:
             more = result.states_total - len(result.states)
-            console.print("  model states possible just before it" + (f" ({more} more)" if more > 0 else "") + ":")
+            console.print(
+                "  model states possible just before it" + (f" ({more} more)" if more > 0 else "") + ":"
+            )
             for s in result.states:
                 console.print(f"    - {esc(s)}")
         if result.expected:
@@ -77,4 +107,6 @@ def _print_report(console: Any, path: str, result: ConformanceResult) -> None:
     else:
         console.print("monitor: [green]ok[/]: no invariant violated")
     if result.not_judged:
-        console.print(f"[dim]not judged (their evidence was not observed): {esc(', '.join(result.not_judged))}[/]")
+        console.print(
+            f"[dim]not judged (their evidence was not observed): {esc(', '.join(result.not_judged))}[/]"
+        )

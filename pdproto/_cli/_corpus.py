@@ -24,12 +24,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "histories. Exit 0 when every history passes, 1 otherwise, 2 on bad input."
         ),
     )
-    p.add_argument("dir", metavar="DIR", nargs="?", default=None,
-                   help="a corpus directory holding EXPECTED.json (default: the shipped corpus)")
-    p.add_argument("--adapter", metavar="NAME", default=None,
-                   help="re-enact the corpus on a real system: vllm (= vllm:pull), vllm:push, model:NAME "
-                   "(built with each history's configuration), or module:attribute (docs/adapters.md); "
-                   "histories of the other family are skipped")
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        nargs="?",
+        default=None,
+        help="a corpus directory holding EXPECTED.json (default: the shipped corpus)",
+    )
+    p.add_argument(
+        "--adapter",
+        metavar="NAME",
+        default=None,
+        help="re-enact the corpus on a real system: vllm (= vllm:pull), vllm:push, model:NAME "
+        "(built with each history's configuration), or module:attribute (docs/adapters.md); "
+        "histories of the other family are skipped",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -42,8 +51,18 @@ def run(args: argparse.Namespace, console: Any) -> int:
     ran = [c for c in cases if c.skipped is None]
     failed = [c for c in ran if not c.ok]
     if args.json:
-        print_json({"ok": not failed, "corpus": directory, "adapter": args.adapter, "histories": len(cases),
-                    "ran": len(ran), "failed": len(failed), "cases": [c.to_dict() for c in cases]}, console.file)
+        print_json(
+            {
+                "ok": not failed,
+                "corpus": directory,
+                "adapter": args.adapter,
+                "histories": len(cases),
+                "ran": len(ran),
+                "failed": len(failed),
+                "cases": [c.to_dict() for c in cases],
+            },
+            console.file,
+        )
         return EXIT_VIOLATION if failed else EXIT_OK
     from rich.table import Table
 
@@ -53,9 +72,13 @@ def run(args: argparse.Namespace, console: Any) -> int:
         table.add_column(col)
     for c in cases:
         want = "clean" if c.expected is None else f"{c.expected} at line {c.line}"
-        verdict = "skipped: " + c.skipped if c.skipped else ("[green]pass[/]" if c.ok else "[bold red]FAIL[/]")
+        verdict = (
+            "skipped: " + c.skipped if c.skipped else ("[green]pass[/]" if c.ok else "[bold red]FAIL[/]")
+        )
         table.add_row(esc(c.history), esc(want), esc(c.got), verdict if not c.skipped else esc(verdict))
     console.print(table)
-    console.print(f"{len(ran) - len(failed)} of {len(ran)} histories pass"
-                  + (f" ({len(cases) - len(ran)} skipped)" if len(cases) != len(ran) else ""))
+    console.print(
+        f"{len(ran) - len(failed)} of {len(ran)} histories pass"
+        + (f" ({len(cases) - len(ran)} skipped)" if len(cases) != len(ran) else "")
+    )
     return EXIT_VIOLATION if failed else EXIT_OK

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .._errors import UsageError
 from ..cost._model import (
     DTYPE_BYTES,
     PRESETS,
@@ -25,7 +26,6 @@ from ..cost._model import (
     estimate,
     format_bytes,
 )
-from .._errors import UsageError
 from ._args import esc, int_type
 
 __all__ = ["add_parser", "run"]
@@ -125,7 +125,9 @@ def add_parser(subparsers: Any) -> None:
 
 def _float_option(group: Any, flag: str, default: float, metavar: str, what: str) -> None:
     """A float option whose help ends with its default: ``what (default 25)``."""
-    group.add_argument(flag, type=float, default=default, metavar=metavar, help=f"{what} (default {default:g})")
+    group.add_argument(
+        flag, type=float, default=default, metavar=metavar, help=f"{what} (default {default:g})"
+    )
 
 
 def _shape(args: argparse.Namespace) -> tuple[str, KVShape]:

@@ -29,11 +29,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("engine", metavar="ENGINE", help=f"the engine that wrote the log: {', '.join(ENGINES)}")
     p.add_argument("log", metavar="LOG", help="the log file, or - for standard input")
-    p.add_argument("-o", "--out", metavar="HISTORY", default=None,
-                   help="write the history here (replaced only once complete, keeping the mode of the file it "
-                        "replaces; '-' or none: standard output)")
-    p.add_argument("--json", action="store_true",
-                   help="print a JSON summary of the import on standard error instead of the text one")
+    p.add_argument(
+        "-o",
+        "--out",
+        metavar="HISTORY",
+        default=None,
+        help="write the history here (replaced only once complete, keeping the mode of the file it "
+        "replaces; '-' or none: standard output)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON summary of the import on standard error instead of the text one",
+    )
     p.set_defaults(run=run)
 
 
@@ -54,20 +62,32 @@ def _summary(args: argparse.Namespace, result: ImportResult) -> None:
     name = "<stdin>" if args.log == "-" else args.log
     known = sum(result.recognised.values())
     write = sys.stderr.write
-    write(f"pdproto import: {name}: {result.lines:,} lines, {known:,} known handoff lines, "
-          f"{result.events:,} events ({result.engine}; formats of {result.source})\n")
-    more = f" (no DEBUG lines; at DEBUG level also: {', '.join(result.more_at_debug)})" if result.more_at_debug else ""
+    write(
+        f"pdproto import: {name}: {result.lines:,} lines, {known:,} known handoff lines, "
+        f"{result.events:,} events ({result.engine}; formats of {result.source})\n"
+    )
+    more = (
+        f" (no DEBUG lines; at DEBUG level also: {', '.join(result.more_at_debug)})"
+        if result.more_at_debug
+        else ""
+    )
     write(f"pdproto import: observed kinds: {', '.join(result.observed) or '-'}{more}\n")
     if not result.lines:
         write(f"pdproto import: warning: {name} is empty: the history has no events\n")
     if result.dropped:
-        write(f"pdproto import: warning: {result.dropped:,} event(s) left out: the log does not show every event "
-              "of their kind for the requests it names (see docs/importers.md, Limits)\n")
+        write(
+            f"pdproto import: warning: {result.dropped:,} event(s) left out: the log does not show every event "
+            "of their kind for the requests it names (see docs/importers.md, Limits)\n"
+        )
     if result.overlong:
-        write(f"pdproto import: warning: {result.overlong:,} line(s) longer than {MAX_LOG_LINE:,} characters: "
-              "only their beginning was read\n")
+        write(
+            f"pdproto import: warning: {result.overlong:,} line(s) longer than {MAX_LOG_LINE:,} characters: "
+            "only their beginning was read\n"
+        )
     if result.unrecognised:
-        write(f"pdproto import: warning: {result.unrecognised:,} line(s) look like handoff lines but match "
-              f"no known {result.engine} format; first:\n")
+        write(
+            f"pdproto import: warning: {result.unrecognised:,} line(s) look like handoff lines but match "
+            f"no known {result.engine} format; first:\n"
+        )
         for example in result.examples:
             write(f"  {name}:{example.line}: {one_line(example.text)}\n")

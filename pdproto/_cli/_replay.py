@@ -15,8 +15,20 @@ from ._args import esc, int_type, positive_int, print_result, size_type
 from ._audit import print_violations
 
 BACKENDS = ("torch",)
-DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
-                 "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2")
+DTYPE_CHOICES = (
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "bf16",
+    "fp16",
+    "fp32",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+)
 LAYOUT_CHOICES = ("mha", "mla")
 SCALE_CHOICES = ("per-tensor", "per-block", "per-head")
 
@@ -39,58 +51,136 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", metavar="FILE", help="the history to replay, or - for standard input")
     p.add_argument("--backend", choices=BACKENDS, default="torch", help="data backend (default torch)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N); default cpu")
-    p.add_argument("--transport", choices=TRANSPORTS, default=None,
-                   help="how transfers move KV between pools: copy (default, Tensor.copy_), nixl (NIXL "
-                   "agents over UCX on host memory; pdproto[nixl]) or mooncake (Mooncake's transfer engine "
-                   "over TCP on loopback; pdproto[mooncake]); see docs/replay.md")
-    p.add_argument("--transfer-timing", choices=("adversarial", "eager"), default=None,
-                   help="when a transfer's bytes move: adversarial (default: read at transfer_read_done, "
-                   "written at transfer_write_done, the latest) or eager (posted at transfer_start and "
-                   "complete before the next event, as a transfer library on an idle host)")
-    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
-                   help="KV dtype (default: the header's kv.dtype, else bfloat16)")
-    p.add_argument("--scale", default=None, choices=SCALE_CHOICES,
-                   help="fp8 scale granularity (default: the header's kv.scale, else per-tensor)")
-    p.add_argument("--layout", default=None, choices=LAYOUT_CHOICES,
-                   help="KV layout: mha, or mla (one latent per token and layer) (default: the header's, else mha)")
-    p.add_argument("--tp", default=None, metavar="P:D",
-                   help="tensor-parallel sizes of prefill and decode workers, for every worker "
-                   "(default: each worker's tp in the header, else 1:1)")
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default=None,
+        help="how transfers move KV between pools: copy (default, Tensor.copy_), nixl (NIXL "
+        "agents over UCX on host memory; pdproto[nixl]) or mooncake (Mooncake's transfer engine "
+        "over TCP on loopback; pdproto[mooncake]); see docs/replay.md",
+    )
+    p.add_argument(
+        "--transfer-timing",
+        choices=("adversarial", "eager"),
+        default=None,
+        help="when a transfer's bytes move: adversarial (default: read at transfer_read_done, "
+        "written at transfer_write_done, the latest) or eager (posted at transfer_start and "
+        "complete before the next event, as a transfer library on an idle host)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPE_CHOICES,
+        help="KV dtype (default: the header's kv.dtype, else bfloat16)",
+    )
+    p.add_argument(
+        "--scale",
+        default=None,
+        choices=SCALE_CHOICES,
+        help="fp8 scale granularity (default: the header's kv.scale, else per-tensor)",
+    )
+    p.add_argument(
+        "--layout",
+        default=None,
+        choices=LAYOUT_CHOICES,
+        help="KV layout: mha, or mla (one latent per token and layer) (default: the header's, else mha)",
+    )
+    p.add_argument(
+        "--tp",
+        default=None,
+        metavar="P:D",
+        help="tensor-parallel sizes of prefill and decode workers, for every worker "
+        "(default: each worker's tp in the header, else 1:1)",
+    )
     p.add_argument("--layers", type=int_type(), default=None, help="layers (default: the header's, else 2)")
-    p.add_argument("--kv-heads", type=int_type(), default=None, help="KV heads (default: the header's, else 4)")
-    p.add_argument("--head-dim", type=int_type(), default=None,
-                   help="head dimension, >= 5 (default: the header's, else 8)")
-    p.add_argument("--block-size", type=int_type(), default=None,
-                   help="tokens per block (default: the header's block_size, else 4)")
-    p.add_argument("--policy", choices=POLICIES, default=None,
-                   help="protocol family for the monitor (overrides the header)")
-    p.add_argument("--complete", action="store_true",
-                   help="the history runs until the system went quiet: apply leak and stuck")
-    p.add_argument("--skip", default="", metavar="INVARIANT[,INVARIANT]",
-                   help="monitor invariant ids not to report, comma-separated")
+    p.add_argument(
+        "--kv-heads", type=int_type(), default=None, help="KV heads (default: the header's, else 4)"
+    )
+    p.add_argument(
+        "--head-dim",
+        type=int_type(),
+        default=None,
+        help="head dimension, >= 5 (default: the header's, else 8)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int_type(),
+        default=None,
+        help="tokens per block (default: the header's block_size, else 4)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=None,
+        help="protocol family for the monitor (overrides the header)",
+    )
+    p.add_argument(
+        "--complete",
+        action="store_true",
+        help="the history runs until the system went quiet: apply leak and stuck",
+    )
+    p.add_argument(
+        "--skip",
+        default="",
+        metavar="INVARIANT[,INVARIANT]",
+        help="monitor invariant ids not to report, comma-separated",
+    )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    p.add_argument("--max-memory", type=size_type, default=None, metavar="SIZE",
-                   help="most memory the KV pools may take, e.g. 16G (default 4G); computed before "
-                   "anything is allocated")
-    p.add_argument("--threads", type=positive_int, default=1, metavar="N",
-                   help="torch intra-op threads during the replay (default 1: per-block work is small)")
-    p.add_argument("--max-line-bytes", type=positive_int, default=MAX_LINE_BYTES, metavar="N",
-                   help=f"longest history line accepted, in bytes (default {MAX_LINE_BYTES:,})")
-    p.add_argument("--model", metavar="NAME|PATH",
-                   help="also run a real transformer: prefill on P, its real KV through the history's "
-                   "blocks, decode on D, logits compared bit for bit with a colocated run "
-                   "(logit-divergence): tiny-llama, tiny-qwen2, tiny-mistral, smollm2-135m, or a local "
-                   "Hugging Face model folder (needs pdproto[model]; nothing is downloaded)")
-    p.add_argument("--adapter", metavar="NAME",
-                   help="instead of KV buffers, re-enact the history's decisions on a real system "
-                   "(vllm, vllm:push, model:NAME, module:attribute; docs/adapters.md) and report where "
-                   "it did something the history did not, or refused something the history did")
+    p.add_argument(
+        "--max-memory",
+        type=size_type,
+        default=None,
+        metavar="SIZE",
+        help="most memory the KV pools may take, e.g. 16G (default 4G); computed before "
+        "anything is allocated",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads during the replay (default 1: per-block work is small)",
+    )
+    p.add_argument(
+        "--max-line-bytes",
+        type=positive_int,
+        default=MAX_LINE_BYTES,
+        metavar="N",
+        help=f"longest history line accepted, in bytes (default {MAX_LINE_BYTES:,})",
+    )
+    p.add_argument(
+        "--model",
+        metavar="NAME|PATH",
+        help="also run a real transformer: prefill on P, its real KV through the history's "
+        "blocks, decode on D, logits compared bit for bit with a colocated run "
+        "(logit-divergence): tiny-llama, tiny-qwen2, tiny-mistral, smollm2-135m, or a local "
+        "Hugging Face model folder (needs pdproto[model]; nothing is downloaded)",
+    )
+    p.add_argument(
+        "--adapter",
+        metavar="NAME",
+        help="instead of KV buffers, re-enact the history's decisions on a real system "
+        "(vllm, vllm:push, model:NAME, module:attribute; docs/adapters.md) and report where "
+        "it did something the history did not, or refused something the history did",
+    )
     p.set_defaults(run=run)
 
 
 #: replay flags that configure the KV buffers, and so mean nothing with --adapter
-KV_ONLY = ("dtype", "scale", "layout", "tp", "layers", "kv_heads", "head_dim", "block_size", "max_memory",
-           "model", "transport", "transfer_timing")
+KV_ONLY = (
+    "dtype",
+    "scale",
+    "layout",
+    "tp",
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "block_size",
+    "max_memory",
+    "model",
+    "transport",
+    "transfer_timing",
+)
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
@@ -98,12 +188,25 @@ def run(args: argparse.Namespace, console: Any) -> int:
         return run_adapter(args, console)
     skip = [s.strip() for s in args.skip.split(",") if s.strip()]
     result = replay(
-        args.file, device=args.device, dtype=args.dtype, tp=args.tp, layers=args.layers,
-        kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
-        layout=args.layout, scale=args.scale,
-        policy=args.policy, complete=args.complete, skip=skip,
-        max_line_bytes=args.max_line_bytes, max_memory=args.max_memory, threads=args.threads,
-        model=args.model, transport=args.transport, timing=args.transfer_timing or "adversarial",
+        args.file,
+        device=args.device,
+        dtype=args.dtype,
+        tp=args.tp,
+        layers=args.layers,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        layout=args.layout,
+        scale=args.scale,
+        policy=args.policy,
+        complete=args.complete,
+        skip=skip,
+        max_line_bytes=args.max_line_bytes,
+        max_memory=args.max_memory,
+        threads=args.threads,
+        model=args.model,
+        transport=args.transport,
+        timing=args.transfer_timing or "adversarial",
     )
     return print_result(result, args.json, lambda: _print_report(console, args.file, result))
 
@@ -113,8 +216,10 @@ def _print_report(console: Any, path: str, result: ReplayResult) -> None:
     b = result.backend
     heads = "MLA latent" if b.get("layout") == "mla" else f"{b['kv_heads']} KV heads"
     scale = f" {b['scale']} scales" if b.get("scale") else ""
-    par = ", ".join(f"{n} tp {w['tp']}" + (f" pp {w['pp']}" if w["pp"] > 1 else "")
-                    for n, w in b.get("workers", {}).items())
+    par = ", ".join(
+        f"{n} tp {w['tp']}" + (f" pp {w['pp']}" if w["pp"] > 1 else "")
+        for n, w in b.get("workers", {}).items()
+    )
     console.print(
         f"[bold]{esc(name)}[/]: {result.events} events, {result.requests} requests, replayed on "
         f"{b['device']} ({b['dtype']}{scale}, {b['layers']} layers x {heads} x head dim "
@@ -142,8 +247,10 @@ def _print_report(console: Any, path: str, result: ReplayResult) -> None:
         )
     violations = result.violations
     if not violations:
-        console.print("[green]ok[/]: no invariant violated, every byte decode read was right"
-                      + (", every logit bit-exact" if m else ""))
+        console.print(
+            "[green]ok[/]: no invariant violated, every byte decode read was right"
+            + (", every logit bit-exact" if m else "")
+        )
         return
     print_violations(console, violations, level)
 

@@ -13,11 +13,34 @@ from __future__ import annotations
 from .._errors import TransportError as TransportError
 from ._transports_table import TRANSPORTS as TRANSPORTS
 
-__all__ = ["KV_CORRUPTION", "KVCorruption", "TorchBackend", "LOGIT_DIVERGENCE", "LogitDivergence", "ModelBackend",
-           "BUILTIN_MODELS", "TRANSPORTS", "Transport", "TransportError", "TransportStatistics", "make_transport"]
+__all__ = [
+    "KV_CORRUPTION",
+    "KVCorruption",
+    "TorchBackend",
+    "LOGIT_DIVERGENCE",
+    "LogitDivergence",
+    "ModelBackend",
+    "BUILTIN_MODELS",
+    "TRANSPORTS",
+    "Transport",
+    "TransportError",
+    "TransportStatistics",
+    "make_transport",
+]
 
-_LAZY = {name: "._torch" for name in ("KV_CORRUPTION", "KVCorruption", "TorchBackend", "KVLayout", "rank_heads",
-                                       "parse_tp", "TORCH_DTYPES", "DEFAULT_MAX_MEMORY")}
+_LAZY = {
+    name: "._torch"
+    for name in (
+        "KV_CORRUPTION",
+        "KVCorruption",
+        "TorchBackend",
+        "KVLayout",
+        "rank_heads",
+        "parse_tp",
+        "TORCH_DTYPES",
+        "DEFAULT_MAX_MEMORY",
+    )
+}
 _LAZY.update({name: "._transformer" for name in ("LOGIT_DIVERGENCE", "LogitDivergence", "ModelBackend")})
 _LAZY.update({name: "._builtin_models" for name in ("BUILTIN_MODELS", "LoadedModel")})
 _LAZY.update({name: "._transport" for name in ("Transport", "TransportStatistics", "make_transport")})

@@ -25,12 +25,13 @@ Built in:
 from __future__ import annotations
 
 import importlib.util
-from collections import OrderedDict
 import os
 import shutil
 import sys
 import tempfile
-from typing import Any, Callable
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from .._errors import MissingExtraError, UsageError
 
@@ -43,12 +44,37 @@ __all__ = ["BUILTIN_MODELS", "LoadedModel", "load_model", "cache_dir"]
 
 #: name -> (architecture, config keywords) of the seeded random models
 _TINY: dict[str, tuple[str, dict[str, Any]]] = {
-    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)),
-    "tiny-qwen2": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=8, num_key_value_heads=2)),
-    "tiny-mistral": ("mistral", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
+    "tiny-llama": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+    ),
+    "tiny-qwen2": (
+        "qwen2",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+        ),
+    ),
+    "tiny-mistral": (
+        "mistral",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=8,
+        ),
+    ),
 }
 _SMOL = "smollm2-135m"
 _SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,8 +90,19 @@ class LoadedModel:
     None) and ``dtype`` (the torch dtype of its KV).  ``references`` caches
     colocated reference runs by prompt (see :mod:`._transformer`)."""
 
-    __slots__ = ("name", "model", "layers", "kv_heads", "heads", "head_dim", "vocab", "window", "dtype",
-                 "cache_kw", "references")
+    __slots__ = (
+        "name",
+        "model",
+        "layers",
+        "kv_heads",
+        "heads",
+        "head_dim",
+        "vocab",
+        "window",
+        "dtype",
+        "cache_kw",
+        "references",
+    )
 
     def __init__(self, name: str, model: Any) -> None:
         cfg = model.config
@@ -88,11 +125,13 @@ class LoadedModel:
 
         params = inspect.signature(type(self.model).forward).parameters
         self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
-        self.references: "OrderedDict[Any, Any]" = OrderedDict()
+        self.references: OrderedDict[Any, Any] = OrderedDict()
 
     def __repr__(self) -> str:
-        return (f"LoadedModel({self.name!r}, layers={self.layers}, kv_heads={self.kv_heads}, "
-                f"head_dim={self.head_dim}, vocab={self.vocab}, window={self.window})")
+        return (
+            f"LoadedModel({self.name!r}, layers={self.layers}, kv_heads={self.kv_heads}, "
+            f"head_dim={self.head_dim}, vocab={self.vocab}, window={self.window})"
+        )
 
 
 def _transformers() -> Any:
@@ -117,8 +156,13 @@ def cache_dir() -> str:
 _LOADED: dict[tuple[str, str, str], LoadedModel] = {}
 
 
-def load_model(spec: str | os.PathLike[str], *, dtype: str = "float32", attention: str = "sdpa",
-               progress: Callable[[str], None] | None = None) -> LoadedModel:
+def load_model(
+    spec: str | os.PathLike[str],
+    *,
+    dtype: str = "float32",
+    attention: str = "sdpa",
+    progress: Callable[[str], None] | None = None,
+) -> LoadedModel:
     """The model ``spec`` names: a built-in name (:data:`BUILTIN_MODELS`) or a
     local Hugging Face model folder.  ``dtype``: float32 (default), bfloat16
     or float16; ``attention``: sdpa (default) or eager.  Loaded models are
@@ -127,8 +171,13 @@ def load_model(spec: str | os.PathLike[str], *, dtype: str = "float32", attentio
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
     if not isinstance(spec, str) or not spec:
-        raise UsageError("--model", spec, "a built-in model (" + ", ".join(BUILTIN_MODELS)
-                         + ") or the path of a local Hugging Face model folder")
+        raise UsageError(
+            "--model",
+            spec,
+            "a built-in model ("
+            + ", ".join(BUILTIN_MODELS)
+            + ") or the path of a local Hugging Face model folder",
+        )
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise UsageError("model dtype", dtype, ", ".join(dtypes))
@@ -145,13 +194,19 @@ def load_model(spec: str | os.PathLike[str], *, dtype: str = "float32", attentio
         loaded = LoadedModel(spec, _smollm2(dtypes[dtype], attention, note))
     else:
         if not os.path.isdir(spec):
-            raise UsageError("--model", spec, "a built-in model (" + ", ".join(BUILTIN_MODELS)
-                             + ") or the path of an existing local Hugging Face model folder (nothing is "
-                             "fetched from a hub)")
+            raise UsageError(
+                "--model",
+                spec,
+                "a built-in model ("
+                + ", ".join(BUILTIN_MODELS)
+                + ") or the path of an existing local Hugging Face model folder (nothing is "
+                "fetched from a hub)",
+            )
         if not os.path.isfile(os.path.join(spec, "config.json")):
             raise UsageError("--model", spec, "a Hugging Face model folder: it has no config.json")
-        loaded = LoadedModel(os.path.basename(os.path.normpath(spec)) or spec,
-                             _folder(spec, dtypes[dtype], attention))
+        loaded = LoadedModel(
+            os.path.basename(os.path.normpath(spec)) or spec, _folder(spec, dtypes[dtype], attention)
+        )
     _LOADED[key] = loaded
     return loaded
 
@@ -164,8 +219,9 @@ def _tiny(name: str, dtype: torch.dtype, attention: str) -> Any:
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
     }[arch]
-    cfg = cfg_cls(vocab_size=256, max_position_embeddings=4096, initializer_range=0.2,
-                  tie_word_embeddings=False, **kw)
+    cfg = cfg_cls(
+        vocab_size=256, max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False, **kw
+    )
     cfg._attn_implementation = attention
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED + sum(map(ord, name)))
@@ -176,8 +232,9 @@ def _tiny(name: str, dtype: torch.dtype, attention: str) -> Any:
 def _folder(path: str, dtype: torch.dtype, attention: str) -> Any:
     tf = _transformers()
     try:
-        return tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
-                                                       attn_implementation=attention)
+        return tf.AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype, attn_implementation=attention
+        )
     except (OSError, ValueError, KeyError) as exc:
         text = " ".join(str(exc).split())[:200]
         raise UsageError("--model", path, f"a loadable local Hugging Face model folder ({text})") from None
@@ -190,11 +247,14 @@ def _smollm2(dtype: torch.dtype, attention: str, note: Callable[[str], None]) ->
         tf = _transformers()
         if importlib.util.find_spec("gguf") is None:
             raise MissingExtraError(f"the model {_SMOL!r}", "gguf", "model")
-        note(f"pdproto: converting {_SMOL} from {gguf} to fp32 once (about two minutes); "
-             f"kept in {folder}")
+        note(f"pdproto: converting {_SMOL} from {gguf} to fp32 once (about two minutes); kept in {folder}")
         tf.utils.logging.enable_progress_bar()
-        model = tf.AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                        dtype=torch.float32, local_files_only=True)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gguf),
+            gguf_file=os.path.basename(gguf),
+            dtype=torch.float32,
+            local_files_only=True,
+        )
         tf.utils.logging.disable_progress_bar()
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(folder))

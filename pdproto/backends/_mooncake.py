@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from .._errors import MissingExtraError, UsageError
-from .._errors import TransportError
+from .._errors import MissingExtraError, TransportError, UsageError
 from ._transport import DEFAULT_TIMEOUT, DONE, ERR, Registered, Transfer
 
 __all__ = ["MooncakeTransport", "load_mooncake"]
@@ -58,8 +57,11 @@ def load_mooncake() -> Any:
         return importlib.import_module("mooncake.engine")
     except ModuleNotFoundError as exc:
         if (exc.name or "").startswith("mooncake"):
-            raise MissingExtraError("the mooncake transport (--transport mooncake)",
-                                    "mooncake-transfer-engine-non-cuda", "mooncake") from None
+            raise MissingExtraError(
+                "the mooncake transport (--transport mooncake)",
+                "mooncake-transfer-engine-non-cuda",
+                "mooncake",
+            ) from None
         raise
     except ImportError as exc:
         hint = " (install the system package libibverbs1)" if "libibverbs" in str(exc) else ""
@@ -90,8 +92,9 @@ class MooncakeTransport(Registered):
 
     name = "mooncake"
 
-    def __init__(self, *, host: str = "127.0.0.1", timeout: float = DEFAULT_TIMEOUT,
-                 abort_timeout: float = 2.0) -> None:
+    def __init__(
+        self, *, host: str = "127.0.0.1", timeout: float = DEFAULT_TIMEOUT, abort_timeout: float = 2.0
+    ) -> None:
         super().__init__(timeout=timeout, abort_timeout=abort_timeout)
         self.engine_module = load_mooncake()
         self.host = host
@@ -104,8 +107,9 @@ class MooncakeTransport(Registered):
                 e = self.engine_module.TransferEngine()
                 rc = e.initialize(self.host, "P2PHANDSHAKE", "tcp", "")
             if rc != 0:
-                raise TransportError("mooncake", f"an engine for worker {worker!r}",
-                                     f"initialize returned {rc}")
+                raise TransportError(
+                    "mooncake", f"an engine for worker {worker!r}", f"initialize returned {rc}"
+                )
             self._engines[worker] = e
         return e
 
@@ -135,9 +139,11 @@ class MooncakeTransport(Registered):
             return 0
         if x.pull:
             return self.engine(x.dst).batch_transfer_sync_read(
-                self.address(x.src), dst.tolist(), src.tolist(), lens.tolist())
+                self.address(x.src), dst.tolist(), src.tolist(), lens.tolist()
+            )
         return self.engine(x.src).batch_transfer_sync_write(
-            self.address(x.dst), src.tolist(), dst.tolist(), lens.tolist())
+            self.address(x.dst), src.tolist(), dst.tolist(), lens.tolist()
+        )
 
     def start(self, x: Transfer) -> Any:
         rc = self._call(x)
@@ -163,8 +169,11 @@ class MooncakeTransport(Registered):
             with _quiet():
                 for k, v in gone:
                     self._engines[peer].register_memory(*v[2])
-        text = (f"status {rc} (the peer's memory was deregistered)" if rc != 0
-                else "status 0: the engine moved bytes the peer had deregistered")
+        text = (
+            f"status {rc} (the peer's memory was deregistered)"
+            if rc != 0
+            else "status 0: the engine moved bytes the peer had deregistered"
+        )
         self._error(text)
         return text
 

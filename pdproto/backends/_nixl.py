@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import MissingExtraError, UsageError
-from .._errors import TransportError
+from .._errors import MissingExtraError, TransportError, UsageError
 from ._transport import DEFAULT_TIMEOUT, DONE, ERR, PROC, Registered, Transfer
 
 __all__ = ["NixlTransport", "load_nixl"]
@@ -87,8 +86,11 @@ def _nixl_errors(api: Any) -> tuple[type[BaseException], ...]:
         bindings = importlib.import_module(api.__name__.rsplit(".", 1)[0] + "._bindings")
     except ImportError:
         return ()
-    return tuple(v for k, v in sorted(vars(bindings).items())
-                 if k.startswith("nixl") and isinstance(v, type) and issubclass(v, Exception))
+    return tuple(
+        v
+        for k, v in sorted(vars(bindings).items())
+        if k.startswith("nixl") and isinstance(v, type) and issubclass(v, Exception)
+    )
 
 
 #: notifications kept per worker that no transfer waited for (late ones): the oldest are dropped
@@ -102,8 +104,14 @@ class NixlTransport(Registered):
 
     name = "nixl"
 
-    def __init__(self, *, notify_timeout: float = 2.0, backends: tuple[str, ...] = ("UCX",),
-                 timeout: float = DEFAULT_TIMEOUT, abort_timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        notify_timeout: float = 2.0,
+        backends: tuple[str, ...] = ("UCX",),
+        timeout: float = DEFAULT_TIMEOUT,
+        abort_timeout: float = 2.0,
+    ) -> None:
         super().__init__(timeout=timeout, abort_timeout=abort_timeout)
         self.api = load_nixl()
         self._lib_errors = _nixl_errors(self.api)
@@ -186,11 +194,19 @@ class NixlTransport(Registered):
             state = DONE if h is None else a.transfer(h, tag)
         except self._lib_errors as exc:  # a NIXL error: the transfer failed
             self._error(_library_error(exc))
-            raise TransportError("nixl", f"transfer {x.tid!r} from {x.src!r} to {x.dst!r}",
-                                 _library_error(exc)) from None
+            raise TransportError(
+                "nixl", f"transfer {x.tid!r} from {x.src!r} to {x.dst!r}", _library_error(exc)
+            ) from None
         # no handle (no bytes): done at once, nothing to release, no notification
-        return {"agent": a, "handle": h, "init": init, "peer": peer, "tag": tag, "state": state,
-                "released": h is None}
+        return {
+            "agent": a,
+            "handle": h,
+            "init": init,
+            "peer": peer,
+            "tag": tag,
+            "state": state,
+            "released": h is None,
+        }
 
     def poll(self, handle: Any) -> str:
         if handle["state"] == PROC:
@@ -270,8 +286,11 @@ class NixlTransport(Registered):
             while state == PROC and time.perf_counter() <= end:
                 time.sleep(0)  # the progress thread needs the CPU
                 state = a.check_xfer_state(h)
-            text = (f"the library reported {state} for a transfer to a removed agent" if state != PROC
-                    else f"still in progress after {self.timeout:g} s (timeout) for a transfer to a removed agent")
+            text = (
+                f"the library reported {state} for a transfer to a removed agent"
+                if state != PROC
+                else f"still in progress after {self.timeout:g} s (timeout) for a transfer to a removed agent"
+            )
         except self._lib_errors as exc:  # the binding raises on an error status
             text = _library_error(exc)
         try:

@@ -48,7 +48,8 @@ use them on ``q.view(torch.uint8)`` (a byte copy is exact).  The byte
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -107,8 +108,9 @@ class Fp8Format:
 def _format(name: str, dtype: torch.dtype) -> Fp8Format:
     info = torch.finfo(dtype)
     mantissa = round(-math.log2(info.eps))
-    return Fp8Format(name, dtype, float(info.max), mantissa, float(info.tiny),
-                     float(info.tiny) * float(info.eps))
+    return Fp8Format(
+        name, dtype, float(info.max), mantissa, float(info.tiny), float(info.tiny) * float(info.eps)
+    )
 
 
 #: Canonical fp8 dtype name -> :class:`Fp8Format`.
@@ -183,8 +185,9 @@ def scale_shape(
     ``[blocks, bs, layers, 2, heads, hd]`` per-block with ``block_axis=0,
     keep_axes=(2, 3)``: ``[blocks, 1, layers, 2, 1, 1]``."""
     shape = tuple(shape)
-    kept = scale_axes(len(shape), granularity, block_axis=block_axis, head_axis=head_axis,
-                      keep_axes=keep_axes)
+    kept = scale_axes(
+        len(shape), granularity, block_axis=block_axis, head_axis=head_axis, keep_axes=keep_axes
+    )
     return tuple(n if i in kept else 1 for i, n in enumerate(shape))
 
 
@@ -222,12 +225,14 @@ def quantize(
     """
     fmt = fp8_format(dtype)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise UsageError("x", type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype,
-                         "a floating-point tensor")
+        raise UsageError(
+            "x", type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype, "a floating-point tensor"
+        )
     xf = x.float()
     if scale is None:
-        kept = scale_axes(xf.ndim, granularity, block_axis=block_axis, head_axis=head_axis,
-                          keep_axes=keep_axes)
+        kept = scale_axes(
+            xf.ndim, granularity, block_axis=block_axis, head_axis=head_axis, keep_axes=keep_axes
+        )
         reduce = [i for i in range(xf.ndim) if i not in kept]
         mag = xf.abs().nan_to_num_(nan=0.0, posinf=0.0)  # amax of the finite values
         amax = mag.amax(dim=reduce, keepdim=True) if reduce else mag
@@ -245,8 +250,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     return q.float() * torch.as_tensor(scale, dtype=torch.float32, device=q.device)
 
 
-def round_trip(x: torch.Tensor, dtype: str | torch.dtype, granularity: str = "per-tensor",
-               **axes: Any) -> torch.Tensor:
+def round_trip(
+    x: torch.Tensor, dtype: str | torch.dtype, granularity: str = "per-tensor", **axes: Any
+) -> torch.Tensor:
     """``dequantize(*quantize(x, dtype, granularity, **axes))``: what reading
     ``x`` back from an fp8 pool gives."""
     return dequantize(*quantize(x, dtype, granularity, **axes))

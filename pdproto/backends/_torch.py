@@ -68,11 +68,12 @@ import copy as _copy
 import importlib
 import struct
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
-import torch  # first: without the torch extra, the missing module is torch
 import numpy as np  # noqa: I001 - the torch extra brings it (torch.from_numpy needs it too)
+import torch  # first: without the torch extra, the missing module is torch
 
 from .._errors import LimitError, UsageError, parse_int
 from ..spec._events import (
@@ -138,10 +139,20 @@ SCALES = ("per-tensor", "per-block", "per-head")
 LAYOUTS = ("mha", "mla")
 #: when a transfer's bytes move (TorchBackend(timing=...), pdproto replay --transfer-timing)
 TIMINGS = ("adversarial", "eager")
-_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16",
-                  "float": "float32", "fp64": "float64", "double": "float64",
-                  "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
-                  "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2"}
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "half": "float16",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "e5m2": "float8_e5m2",
+}
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**31: products of a 32-bit value stay inside int64
@@ -321,8 +332,19 @@ class KVCorruption(Violation):
             "message": self.message,
             "witness": list(self.witness),
         }
-        for name in ("request", "gen", "worker", "block", "layer", "position", "head", "rank",
-                     "transfer", "ticket", "found"):
+        for name in (
+            "request",
+            "gen",
+            "worker",
+            "block",
+            "layer",
+            "position",
+            "head",
+            "rank",
+            "transfer",
+            "ticket",
+            "found",
+        ):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -375,12 +397,42 @@ class _Worker:
     """One worker's pools: ``parts[i] = (first layer, end layer, global heads)``
     and ``pools[i]`` its tensor (``scales[i]`` its fp8 scales)."""
 
-    __slots__ = ("name", "role", "tp", "pp", "heads", "parts", "pools", "scales", "nblocks", "cap",
-                 "stamp", "mod", "restart_stamp", "restart_line", "last_write", "origin", "stash",
-                 "static_scale", "lastw", "pos_bytes", "log", "epoch", "flats")
+    __slots__ = (
+        "name",
+        "role",
+        "tp",
+        "pp",
+        "heads",
+        "parts",
+        "pools",
+        "scales",
+        "nblocks",
+        "cap",
+        "stamp",
+        "mod",
+        "restart_stamp",
+        "restart_line",
+        "last_write",
+        "origin",
+        "stash",
+        "static_scale",
+        "lastw",
+        "pos_bytes",
+        "log",
+        "epoch",
+        "flats",
+    )
 
-    def __init__(self, name: str, role: str, tp: int, pp: int, parts: list[tuple[int, int, tuple[int, ...]]],
-                 heads: list[list[int]], cap: int | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        tp: int,
+        pp: int,
+        parts: list[tuple[int, int, tuple[int, ...]]],
+        heads: list[list[int]],
+        cap: int | None,
+    ) -> None:
         self.name = name
         self.role = role
         self.tp = tp
@@ -388,7 +440,9 @@ class _Worker:
         self.heads = heads  # per tensor-parallel rank
         self.parts = parts
         self.pools: list[torch.Tensor] = []
-        self.flats: list[torch.Tensor] = []  # each pool viewed as [blocks * block_size, layers, K/V, heads, D]
+        self.flats: list[
+            torch.Tensor
+        ] = []  # each pool viewed as [blocks * block_size, layers, K/V, heads, D]
         self.scales: list[torch.Tensor] = []
         self.nblocks = 0
         self.cap = cap  # the declared pool size (caps the doubling), or None
@@ -400,12 +454,14 @@ class _Worker:
         self.origin: dict[int, list[int | None]] = {}  # block -> origin tag of each slot's prompt KV
         self.stash: dict[int, tuple] = {}  # freed block -> (stamp, rows, scale rows, origin)
         self.static_scale = 1.0
-        self.lastw: dict[int, tuple] = {}  # block -> (slot, (tag, position, code), values per part) of a 1-slot write
+        self.lastw: dict[
+            int, tuple
+        ] = {}  # block -> (slot, (tag, position, code), values per part) of a 1-slot write
         self.pos_bytes = 0  # bytes of one position over every part
         self.log: list[int] = []  # every block modified, in order (see TorchBackend._verify)
         self.epoch = 0  # bumped when the log restarts (a restart, or a long log)
 
-    def copy(self) -> "_Worker":
+    def copy(self) -> _Worker:
         n = object.__new__(_Worker)
         for name in _Worker.__slots__:
             setattr(n, name, getattr(self, name))
@@ -423,9 +479,24 @@ class _Worker:
 
 
 class _Gen:
-    __slots__ = ("key", "tag", "prompt_len", "processed_len", "first_token", "prefill",
-                 "prefill_line", "exp_tok", "terminal", "committed", "last_decode", "transfers",
-                 "shared", "orig", "checked", "fast")
+    __slots__ = (
+        "key",
+        "tag",
+        "prompt_len",
+        "processed_len",
+        "first_token",
+        "prefill",
+        "prefill_line",
+        "exp_tok",
+        "terminal",
+        "committed",
+        "last_decode",
+        "transfers",
+        "shared",
+        "orig",
+        "checked",
+        "fast",
+    )
 
     def __init__(self, key: tuple[str, int], tag: int) -> None:
         self.key = key
@@ -442,11 +513,13 @@ class _Gen:
         self.transfers: list[str] = []
         self.shared: dict[str, tuple[tuple[int, ...], int]] = {}  # worker -> (shared blocks, tokens)
         self.orig: dict[str, dict[int, int]] = {}  # worker -> position -> origin tag (if not own)
-        self.checked: dict[tuple[str, int], tuple[int, int, int]] = {}  # (worker, index) -> (block, stamp, slots)
+        self.checked: dict[
+            tuple[str, int], tuple[int, int, int]
+        ] = {}  # (worker, index) -> (block, stamp, slots)
         # worker -> (table, positions, log length, epoch, block -> table indices) of the last verify
         self.fast: dict[str, tuple] = {}
 
-    def copy(self) -> "_Gen":
+    def copy(self) -> _Gen:
         n = object.__new__(_Gen)
         for name in _Gen.__slots__:
             setattr(n, name, getattr(self, name))
@@ -470,9 +543,30 @@ class _Gen:
 
 
 class _Xfer:
-    __slots__ = ("tid", "key", "ticket", "src", "src_blocks", "dst", "dst_blocks", "line",
-                 "read", "read_line", "staged", "wrote", "write_stamp", "failed", "lost",
-                 "early_freed", "drained", "layers", "tokens", "moves", "aborted", "cancelled")
+    __slots__ = (
+        "tid",
+        "key",
+        "ticket",
+        "src",
+        "src_blocks",
+        "dst",
+        "dst_blocks",
+        "line",
+        "read",
+        "read_line",
+        "staged",
+        "wrote",
+        "write_stamp",
+        "failed",
+        "lost",
+        "early_freed",
+        "drained",
+        "layers",
+        "tokens",
+        "moves",
+        "aborted",
+        "cancelled",
+    )
 
     def __init__(self, ev: TransferStart, line: int) -> None:
         self.tid = ev.transfer
@@ -499,7 +593,7 @@ class _Xfer:
         self.aborted = False  # a transfer_abort came before its writes landed
         self.cancelled = False  # aborted, and the transport's library did not land its bytes
 
-    def copy(self) -> "_Xfer":
+    def copy(self) -> _Xfer:
         n = object.__new__(_Xfer)
         for name in _Xfer.__slots__:
             setattr(n, name, getattr(self, name))
@@ -585,13 +679,19 @@ class TorchBackend:
 
         lay = pick(layout, "layout", "mha")
         dt = pick(dtype, "dtype", "bfloat16")
-        sc = scale if scale is not None else (
-            kv.scale if kv is not None and canonical_dtype(dt) in FP8 else None)
+        sc = (
+            scale
+            if scale is not None
+            else (kv.scale if kv is not None and canonical_dtype(dt) in FP8 else None)
+        )
         self.layout = KVLayout(
             _opt(pick(layers, "layers", 2), "layers"),
             1 if lay == "mla" else _opt(pick(kv_heads, "kv_heads", 4), "kv_heads"),
-            pick(head_dim, "head_dim", 8), _opt(block_size if block_size is not None else 4, "block_size"),
-            canonical_dtype(dt), lay, sc,
+            pick(head_dim, "head_dim", 8),
+            _opt(block_size if block_size is not None else 4, "block_size"),
+            canonical_dtype(dt),
+            lay,
+            sc,
         )
         self.header = header
         self.transport = make_transport(transport)
@@ -601,7 +701,9 @@ class TorchBackend:
         if policy not in (None, "push", "pull"):
             raise UsageError("--policy", policy, "push or pull")
         self._pull = (policy if policy is not None else getattr(header, "policy", "push")) == "pull"
-        self._fail_targets: dict[tuple, torch.Tensor] = {}  # (worker, shape, dtype) -> a failed transfer's target
+        self._fail_targets: dict[
+            tuple, torch.Tensor
+        ] = {}  # (worker, shape, dtype) -> a failed transfer's target
         self._recompute = getattr(header, "boundary", "sampled") == "recompute"
         self.tp = parse_tp(tp)
         self._tp_flag = tp is not None
@@ -615,12 +717,17 @@ class TorchBackend:
         self.device = _device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda and not isinstance(self.transport, CopyTransport):
-            raise UsageError(f"--device with --transport {self.transport.name}", str(self.device),
-                             "cpu (the transports move host memory)")
+            raise UsageError(
+                f"--device with --transport {self.transport.name}",
+                str(self.device),
+                "cpu (the transports move host memory)",
+            )
         L = self.layout
         if head_map is not None:
             head_map = list(head_map)
-            if len(head_map) != L.kv_heads or any(type(h) is not int or not 0 <= h < L.kv_heads for h in head_map):
+            if len(head_map) != L.kv_heads or any(
+                type(h) is not int or not 0 <= h < L.kv_heads for h in head_map
+            ):
                 raise UsageError("head_map", head_map, f"{L.kv_heads} head indices in [0, {L.kv_heads})")
         self.head_map = head_map
         self.drop_scales = drop_scales
@@ -675,7 +782,9 @@ class TorchBackend:
         """Execute one event; return the data-level violations it made visible."""
         handler = _DISPATCH.get(type(event))
         if handler is None:  # refused before anything changes, as the monitor does
-            raise UsageError("event", event, "one of the event classes " + ", ".join(c.__name__ for c in _DISPATCH))
+            raise UsageError(
+                "event", event, "one of the event classes " + ", ".join(c.__name__ for c in _DISPATCH)
+            )
         self.line = self.line + 1 if line is None else line
         self.events += 1
         out = self._out = []
@@ -701,8 +810,15 @@ class TorchBackend:
             elif g.committed is not None:
                 worker, table, cline = g.committed
                 if self._owned(g.key, worker, table):
-                    self._verify(g, worker, table, self._prompt(g), line,
-                                 "end of the history: committed KV", [cline, g.prefill_line])
+                    self._verify(
+                        g,
+                        worker,
+                        table,
+                        self._prompt(g),
+                        line,
+                        "end of the history: committed KV",
+                        [cline, g.prefill_line],
+                    )
             else:
                 for tid in reversed(g.transfers):
                     t = self._xfers[tid]
@@ -754,11 +870,17 @@ class TorchBackend:
         sec, nb = self._sec, self._nbytes
         return BackendStatistics(
             getattr(self._timer, "__qualname__", repr(self._timer)),
-            sec[_WRITE], nb[_WRITE], sec[_COPY], self.bytes_copied + nb[_COPY],
-            sec[_VERIFY], self.bytes_verified, sec[_POISON], nb[_POISON],
+            sec[_WRITE],
+            nb[_WRITE],
+            sec[_COPY],
+            self.bytes_copied + nb[_COPY],
+            sec[_VERIFY],
+            self.bytes_verified,
+            sec[_POISON],
+            nb[_POISON],
         )
 
-    def copy(self) -> "TorchBackend":
+    def copy(self) -> TorchBackend:
         """An independent backend in the same state.  On CUDA the copy is made on
         the current stream after the side stream's pending copies (the new
         backend has none pending)."""
@@ -794,7 +916,7 @@ class TorchBackend:
         new.__dict__ = d
         return new
 
-    def deepcopy(self) -> "TorchBackend":
+    def deepcopy(self) -> TorchBackend:
         """:func:`copy.deepcopy` of the backend (CPU only; the reference for :meth:`copy`)."""
         if self.cuda:
             raise UsageError("TorchBackend.deepcopy", str(self.device), "a CPU backend")
@@ -868,7 +990,9 @@ class TorchBackend:
             raise LimitError(
                 f"replay with {L.layers} layers x {L.kv_heads} KV heads x head dim {L.head_dim}, "
                 f"block size {L.block_size}, {L.dtype}, tp {self.tp[0]}:{self.tp[1]}, a pool per worker",
-                need, self.max_memory, "--max-memory (max_memory=)",
+                need,
+                self.max_memory,
+                "--max-memory (max_memory=)",
             )
 
     def _reserve(self, w: _Worker, nblocks: int, top: int) -> int:
@@ -884,7 +1008,10 @@ class TorchBackend:
             return nblocks
         raise LimitError(
             f"the pool of worker {w.name!r}, {_amount(nblocks)} blocks for block id {_amount(nblocks - 1)},",
-            base + nblocks * per, self.max_memory, "--max-memory (max_memory=)", line=self.line,
+            base + nblocks * per,
+            self.max_memory,
+            "--max-memory (max_memory=)",
+            line=self.line,
         )
 
     # -- workers and pools ---------------------------------------------------
@@ -938,8 +1065,11 @@ class TorchBackend:
                 elif w.scales:
                     s = w.scales[i]
                 else:
-                    s = torch.full((1, 1, l1 - l0, L.kv, len(hs) if L.scale == "per-head" else 1, 1),
-                                   self._static_scale(w), device=self.device)
+                    s = torch.full(
+                        (1, 1, l1 - l0, L.kv, len(hs) if L.scale == "per-head" else 1, 1),
+                        self._static_scale(w),
+                        device=self.device,
+                    )
                 scales.append(s)
         w.pools = new
         w.flats = [_slots(t) for t in new]
@@ -947,7 +1077,9 @@ class TorchBackend:
         self.memory += (nblocks - w.nblocks) * self._part_bytes(w.tp, w.pp)
         w.nblocks = nblocks
 
-    def _touch(self, w: _Worker, blocks: Iterable[int], line: int, lo: int = 0, hi: int | None = None) -> None:
+    def _touch(
+        self, w: _Worker, blocks: Iterable[int], line: int, lo: int = 0, hi: int | None = None
+    ) -> None:
         """``blocks`` of ``w`` were modified (slots ``lo..hi``): a new version."""
         self._clock += 1
         c = self._clock
@@ -1006,7 +1138,7 @@ class TorchBackend:
         key = (l0, l1, hs[0], hs[-1])
         q = self._qcache.get(key)
         if q is None:
-            q = self._qcache[key] = self._qf[:, l0:l1, :, hs[0]: hs[-1] + 1]
+            q = self._qcache[key] = self._qf[:, l0:l1, :, hs[0] : hs[-1] + 1]
         return q
 
     def _make_q(self) -> torch.Tensor:
@@ -1116,8 +1248,14 @@ class TorchBackend:
         rows = torch.from_numpy(out).view(self._vdtype).view(T, 1, 1, 1, self.layout.head_dim)
         return rows if not self.cuda else rows.to(self.device)
 
-    def _values(self, tags: Sequence[int], start: int, codes: Sequence[int],
-                part: tuple[int, int, tuple[int, ...]], layers: tuple[int, int] | None = None) -> torch.Tensor:
+    def _values(
+        self,
+        tags: Sequence[int],
+        start: int,
+        codes: Sequence[int],
+        part: tuple[int, int, tuple[int, ...]],
+        layers: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """KV of positions ``start ..`` (a tag and token code per position, or
         one tag for all) for one part: ``[T, layers, K/V, heads, D]``, in the
         pool dtype (fp8: float32, before quantization)."""
@@ -1148,7 +1286,7 @@ class TorchBackend:
         L = self.layout
         if not L.fp8:
             f = blk * L.block_size
-            w.flats[i][f + s0: f + s1].copy_(vals)
+            w.flats[i][f + s0 : f + s1].copy_(vals)
             return
         pool = w.pools[i]
         scales = w.scales[i]
@@ -1162,8 +1300,15 @@ class TorchBackend:
         q, _ = self._quant.quantize(vals, L.dtype, scale=s)
         pool[blk, s0:s1] = q
 
-    def _write_positions(self, w: _Worker, table: Sequence[int], tags: Sequence[int], start: int,
-                         codes: Sequence[int], line: int) -> None:
+    def _write_positions(
+        self,
+        w: _Worker,
+        table: Sequence[int],
+        tags: Sequence[int],
+        start: int,
+        codes: Sequence[int],
+        line: int,
+    ) -> None:
         """Write KV of positions start.. into ``table`` on every part of ``w``
         (current stream).  Positions past the table are dropped."""
         bs = self.layout.block_size
@@ -1192,7 +1337,9 @@ class TorchBackend:
         self._sec[_WRITE] += self._timer() - t_start
         self._nbytes[_WRITE] += (spans[-1][2] - start) * w.pos_bytes
         if len(spans) == 1:
-            self._touch(w, blocks, line, start % bs, (end - 1) % bs + 1 if end <= (start // bs + 1) * bs else bs)
+            self._touch(
+                w, blocks, line, start % bs, (end - 1) % bs + 1 if end <= (start // bs + 1) * bs else bs
+            )
         else:
             self._touch(w, blocks, line)
         if self._shares:
@@ -1201,8 +1348,14 @@ class TorchBackend:
                 for p in range(p0, p1):
                     o[p % bs] = (tags[0] if one else tags[p - start]) if codes[p - start] == _PROMPT else None
 
-    def _write_runs(self, w: _Worker, spans: list[tuple[int, int, int]], tags: Sequence[int], start: int,
-                    codes: Sequence[int]) -> None:
+    def _write_runs(
+        self,
+        w: _Worker,
+        spans: list[tuple[int, int, int]],
+        tags: Sequence[int],
+        start: int,
+        codes: Sequence[int],
+    ) -> None:
         """Write ``spans`` (block, first position, end position): the values are
         built straight into the pool, one add per run of slots that follow
         each other in the pool and in positions (whole consecutive blocks)."""
@@ -1220,10 +1373,16 @@ class TorchBackend:
             q = self._qpart(l0, l1, hs)
             flat = w.flats[i]
             for f, p, n in runs:
-                torch.add(q, rows[p - start: p - start + n], out=flat[f: f + n])
+                torch.add(q, rows[p - start : p - start + n], out=flat[f : f + n])
 
-    def _write_chunks(self, w: _Worker, spans: list[tuple[int, int, int]], tags: Sequence[int], start: int,
-                      codes: Sequence[int]) -> None:
+    def _write_chunks(
+        self,
+        w: _Worker,
+        spans: list[tuple[int, int, int]],
+        tags: Sequence[int],
+        start: int,
+        codes: Sequence[int],
+    ) -> None:
         """Write ``spans`` a chunk of positions at a time (fp8: quantized per
         block; one position: its values are kept for the check that follows)."""
         bs = self.layout.block_size
@@ -1233,8 +1392,8 @@ class TorchBackend:
         tag0 = tags[0]
         for c0 in range(start, spans[-1][2], chunk):
             c1 = min(c0 + chunk, spans[-1][2])
-            t = tags if one else tags[c0 - start: c1 - start]
-            rows = self._rows(t, c0, codes[c0 - start: c1 - start])
+            t = tags if one else tags[c0 - start : c1 - start]
+            rows = self._rows(t, c0, codes[c0 - start : c1 - start])
             last = []
             for i, (l0, l1, hs) in enumerate(w.parts):
                 vals = self._qpart(l0, l1, hs) + rows
@@ -1242,12 +1401,21 @@ class TorchBackend:
                 for blk, p0, p1 in spans:
                     a, b = max(p0, c0), min(p1, c1)
                     if a < b:
-                        self._store(w, i, blk, a % bs, a % bs + (b - a),
-                                    vals if (a == c0 and b == c1) else vals[a - c0: b - c0], tag0)
+                        self._store(
+                            w,
+                            i,
+                            blk,
+                            a % bs,
+                            a % bs + (b - a),
+                            vals if (a == c0 and b == c1) else vals[a - c0 : b - c0],
+                            tag0,
+                        )
         if len(codes) == 1 and not L.fp8:
             w.lastw[spans[0][0]] = (start % bs, (tag0, start, codes[0]), last)
 
-    def _poison(self, w: _Worker, blocks: Sequence[int], line: int, lo: int = 0, hi: int | None = None) -> None:
+    def _poison(
+        self, w: _Worker, blocks: Sequence[int], line: int, lo: int = 0, hi: int | None = None
+    ) -> None:
         blocks = [b for b in blocks if b < w.nblocks]
         if not blocks:
             return
@@ -1395,13 +1563,13 @@ class TorchBackend:
             for pool in src.pools:
                 buf = self._buffer(pool, n)
                 if run:
-                    buf.copy_(pool[ids[0]: ids[0] + n])
+                    buf.copy_(pool[ids[0] : ids[0] + n])
                 else:
                     torch.index_select(_bytes(pool), 0, idx, out=_bytes(buf))
                 rows.append(buf)
             if per_block:
                 for s in src.scales:
-                    scales.append(s[ids[0]: ids[0] + n].clone() if run else s.index_select(0, idx))
+                    scales.append(s[ids[0] : ids[0] + n].clone() if run else s.index_select(0, idx))
             return rows, scales
 
         t_start = self._timer()
@@ -1428,8 +1596,7 @@ class TorchBackend:
                 for j, h in enumerate(dhs):
                     sh = self.head_map[h] if self.head_map is not None else h
                     # the first part of this stage holding the head serves it
-                    owner = next(q for q, (ql0, ql1, qhs) in enumerate(src.parts)
-                                 if ql0 == sl0 and sh in qhs)
+                    owner = next(q for q, (ql0, ql1, qhs) in enumerate(src.parts) if ql0 == sl0 and sh in qhs)
                     if owner != pi:
                         continue
                     i = shs.index(sh)
@@ -1478,7 +1645,9 @@ class TorchBackend:
         segs = self._head_segments(src, dst)
         lr = t.layers
         full_ids = [(d, s) for (d, s, m) in zip(dst_ids, src_ids, moves) if m[4] == 0 and m[5] == bs]
-        part_ids = [(d, s, m[4], m[5]) for (d, s, m) in zip(dst_ids, src_ids, moves) if not (m[4] == 0 and m[5] == bs)]
+        part_ids = [
+            (d, s, m[4], m[5]) for (d, s, m) in zip(dst_ids, src_ids, moves) if not (m[4] == 0 and m[5] == bs)
+        ]
         per_block = L.fp8 and L.scale == "per-block" and not self.drop_scales
         moved = [0]
         landed = [True]
@@ -1500,14 +1669,28 @@ class TorchBackend:
                     for i, j, cnt in runs:
                         heads = None if (cnt == nd and cnt == ns) else ((j, j + cnt), (i, i + cnt))
                         if full_ids:
-                            x.moves.append(BlockMove(dst.pools[di], [d for d, _ in full_ids], sources[pi],
-                                                     [s for _, s in full_ids], dl, sl, heads, None))
+                            x.moves.append(
+                                BlockMove(
+                                    dst.pools[di],
+                                    [d for d, _ in full_ids],
+                                    sources[pi],
+                                    [s for _, s in full_ids],
+                                    dl,
+                                    sl,
+                                    heads,
+                                    None,
+                                )
+                            )
                         for d, s, s0, s1 in part_ids:
-                            x.moves.append(BlockMove(dst.pools[di], [d], sources[pi], [s], dl, sl, heads, (s0, s1)))
+                            x.moves.append(
+                                BlockMove(dst.pools[di], [d], sources[pi], [s], dl, sl, heads, (s0, s1))
+                            )
                         moved[0] += (b - a) * cnt
                     if per_block:
                         for d, s in [(d, s) for d, s in full_ids] + [(d, s) for d, s, _, _ in part_ids]:
-                            x.pairs.append((dst.scales[di][d, :, dl[0]: dl[1]], ssc[pi][s, :, sl[0]: sl[1]]))
+                            x.pairs.append(
+                                (dst.scales[di][d, :, dl[0] : dl[1]], ssc[pi][s, :, sl[0] : sl[1]])
+                            )
             landed[0] = self.transport.run(x, aborted=t.aborted)
 
         t_start = self._timer()
@@ -1524,7 +1707,7 @@ class TorchBackend:
             return
         self._clock += 1
         t.write_stamp = self._clock
-        for (i, sb, db, p0, s0, s1) in moves:
+        for i, sb, db, p0, s0, s1 in moves:
             dst.mod[db] = (dst.stamp.get(db, 0), s0, s1)
             dst.stamp[db] = self._clock
             dst.last_write[db] = line
@@ -1543,7 +1726,7 @@ class TorchBackend:
         bs = self.layout.block_size
         if so is None and do is None and not self._shares:
             return
-        for (i, sb, db, p0, s0, s1) in t.moves:
+        for i, sb, db, p0, s0, s1 in t.moves:
             for s in range(s0, s1):
                 p = p0 + s
                 tag = so.get(p, g.tag) if so is not None else g.tag
@@ -1617,28 +1800,45 @@ class TorchBackend:
             tags = tags[:1]
         return tags, codes
 
-    def _check(self, w: _Worker, i: int, blk: int, s0: int, s1: int, exp: torch.Tensor,
-               layers: tuple[int, int] | None = None) -> bool:
+    def _check(
+        self,
+        w: _Worker,
+        i: int,
+        blk: int,
+        s0: int,
+        s1: int,
+        exp: torch.Tensor,
+        layers: tuple[int, int] | None = None,
+    ) -> bool:
         """Does part ``i`` of block ``blk``, slots ``s0..s1``, hold ``exp`` (float32)?"""
         L = self.layout
         if layers is None and not L.fp8:
             f = blk * L.block_size
-            act = w.flats[i][f + s0: f + s1]
+            act = w.flats[i][f + s0 : f + s1]
             self.bytes_verified += act.numel() * act.element_size()
             return _same(act, exp)
         pool = w.pools[i]
-        act = pool[blk][s0:s1] if layers is None else pool[blk, s0:s1, layers[0]: layers[1]]
+        act = pool[blk][s0:s1] if layers is None else pool[blk, s0:s1, layers[0] : layers[1]]
         self.bytes_verified += act.numel() * act.element_size()
         if not L.fp8:
             return _same(act, exp)
         s = w.scales[i][blk] if L.scale == "per-block" else w.scales[i][0]
         if layers is not None:
-            s = s[:, layers[0]: layers[1]]
+            s = s[:, layers[0] : layers[1]]
         return bool(self._quant.close(self._quant.dequantize(act, s), exp, L.dtype, s).all())
 
-    def _verify(self, g: _Gen, worker: str, table: Sequence[int], upto: int, line: int,
-                what: str, witness: Iterable[int | None] = (), transfer: str | None = None,
-                ticket: str | None = None) -> bool:
+    def _verify(
+        self,
+        g: _Gen,
+        worker: str,
+        table: Sequence[int],
+        upto: int,
+        line: int,
+        what: str,
+        witness: Iterable[int | None] = (),
+        transfer: str | None = None,
+        ticket: str | None = None,
+    ) -> bool:
         """Check positions ``0..upto-1`` of ``g`` in ``table`` on ``worker``;
         report the first wrong element.  Only slots modified since ``g`` last
         verified them are checked again.  Returns True when all is right."""
@@ -1760,15 +1960,21 @@ class TorchBackend:
                 for c0 in range(0, n, chunk):
                     c = min(chunk, n - c0)
                     e = p + c0 - p0
-                    exp = torch.add(q, rows[e: e + c], out=scratch[:c])
+                    exp = torch.add(q, rows[e : e + c], out=scratch[:c])
                     self.bytes_verified += c * per
-                    if not _same(flat[f + c0: f + c0 + c], exp):
+                    if not _same(flat[f + c0 : f + c0 + c], exp):
                         bad = self._check_each(w, todo[k0:k1], rows, p0, only=i)
                         return k0 + (bad or 0)
         return None
 
-    def _check_each(self, w: _Worker, todo: list[tuple[int, int, int, int, int]], rows: torch.Tensor, p0: int,
-                    only: int | None = None) -> int | None:
+    def _check_each(
+        self,
+        w: _Worker,
+        todo: list[tuple[int, int, int, int, int]],
+        rows: torch.Tensor,
+        p0: int,
+        only: int | None = None,
+    ) -> int | None:
         """Check the entries of ``todo`` one by one (``rows``: the
         position-dependent values from position ``p0``), on every part or
         part ``only``: the index of the first wrong one (None if all hold)."""
@@ -1779,7 +1985,7 @@ class TorchBackend:
             q = self._qpart(l0, l1, hs)
             for k, (bi, blk, lo, n, _st) in enumerate(todo):
                 e0 = bi * bs + lo - p0
-                if not self._check(w, i, blk, lo, n, q + rows[e0: e0 + n - lo]):
+                if not self._check(w, i, blk, lo, n, q + rows[e0 : e0 + n - lo]):
                     return k
         return None
 
@@ -1796,9 +2002,18 @@ class TorchBackend:
             self.memory += rows * per
         return buf.shape[0], buf
 
-    def _verify_items(self, g: _Gen, worker: str, items: list[tuple[int, int, int, int]],
-                      layers: tuple[int, int] | None, line: int, what: str, witness: Iterable[int | None],
-                      transfer: str | None, ticket: str | None) -> bool:
+    def _verify_items(
+        self,
+        g: _Gen,
+        worker: str,
+        items: list[tuple[int, int, int, int]],
+        layers: tuple[int, int] | None,
+        line: int,
+        what: str,
+        witness: Iterable[int | None],
+        transfer: str | None,
+        ticket: str | None,
+    ) -> bool:
         """:meth:`_verify_slots` of each item (block, first position, slots,
         first slot), in order, batched: the positions of consecutive items
         follow each other, so one row build serves them all, and items whose
@@ -1816,13 +2031,15 @@ class TorchBackend:
             if ok:
                 return True
         for blk, p, n, s0 in items:  # one by one: the first wrong item is reported
-            if not self._verify_slots(g, worker, blk, p - s0, s0, s0 + n, layers, line, what, witness,
-                                      transfer, ticket):
+            if not self._verify_slots(
+                g, worker, blk, p - s0, s0, s0 + n, layers, line, what, witness, transfer, ticket
+            ):
                 return False
         return True
 
-    def _same_items(self, g: _Gen, w: _Worker, items: list[tuple[int, int, int, int]],
-                    layers: tuple[int, int] | None) -> bool:
+    def _same_items(
+        self, g: _Gen, w: _Worker, items: list[tuple[int, int, int, int]], layers: tuple[int, int] | None
+    ) -> bool:
         """Do the items (see :meth:`_verify_items`) hold what ``g`` expects in ``layers``?"""
         bs = self.layout.block_size
         P0 = items[0][1]
@@ -1840,21 +2057,33 @@ class TorchBackend:
             if a >= b:
                 continue
             q = self._qpart(a, b, hs)
-            flat = w.flats[i] if (a, b) == (l0, l1) else w.flats[i][:, a - l0: b - l0]
+            flat = w.flats[i] if (a, b) == (l0, l1) else w.flats[i][:, a - l0 : b - l0]
             chunk, scratch = self._scratch_for(flat)
             per = flat[0].numel() * flat.element_size()
             for f, p, n in runs:
                 for c0 in range(0, n, chunk):
                     c = min(chunk, n - c0)
-                    exp = torch.add(q, rows[p - P0 + c0: p - P0 + c0 + c], out=scratch[:c])
+                    exp = torch.add(q, rows[p - P0 + c0 : p - P0 + c0 + c], out=scratch[:c])
                     self.bytes_verified += c * per
-                    if not _same(flat[f + c0: f + c0 + c], exp):
+                    if not _same(flat[f + c0 : f + c0 + c], exp):
                         return False
         return True
 
-    def _verify_slots(self, g: _Gen, worker: str, blk: int, p0: int, s0: int, s1: int,
-                      layers: tuple[int, int] | None, line: int, what: str, witness: Iterable[int | None],
-                      transfer: str | None, ticket: str | None) -> bool:
+    def _verify_slots(
+        self,
+        g: _Gen,
+        worker: str,
+        blk: int,
+        p0: int,
+        s0: int,
+        s1: int,
+        layers: tuple[int, int] | None,
+        line: int,
+        what: str,
+        witness: Iterable[int | None],
+        transfer: str | None,
+        ticket: str | None,
+    ) -> bool:
         """Check slots ``s0..s1`` of ``blk`` (positions ``p0+s0 ..``), ``layers`` only."""
         w = self._workers.get(worker)
         if w is None or s0 >= s1:
@@ -1873,8 +2102,19 @@ class TorchBackend:
             self._sec[_VERIFY] += self._timer() - t_start
             t_start = self._timer()
             if not ok:
-                self._report_wrong(g, w, blk, (p0 + s0) // self.layout.block_size, p0 + s0, s1 - s0, what,
-                                   line, witness, transfer, ticket)
+                self._report_wrong(
+                    g,
+                    w,
+                    blk,
+                    (p0 + s0) // self.layout.block_size,
+                    p0 + s0,
+                    s1 - s0,
+                    what,
+                    line,
+                    witness,
+                    transfer,
+                    ticket,
+                )
                 return False
         return True
 
@@ -1886,17 +2126,37 @@ class TorchBackend:
         self._out.append(v)
 
     def _report_missing(self, g, worker, table, covered, what, line, witness, transfer, ticket) -> None:
-        self._emit((g.key, worker, "missing", covered), KVCorruption(
-            KV_CORRUPTION, line,
-            f"{what} of {_fmt(g.key)} on {worker!r}: the block table {list(table)} covers positions "
-            f"[0, {covered}) only, so position {covered} has no KV (block size {self.layout.block_size})",
-            _witness(witness, line),
-            request=g.key[0], gen=g.key[1], worker=worker, position=covered,
-            transfer=transfer, ticket=ticket,
-        ))
+        self._emit(
+            (g.key, worker, "missing", covered),
+            KVCorruption(
+                KV_CORRUPTION,
+                line,
+                f"{what} of {_fmt(g.key)} on {worker!r}: the block table {list(table)} covers positions "
+                f"[0, {covered}) only, so position {covered} has no KV (block size {self.layout.block_size})",
+                _witness(witness, line),
+                request=g.key[0],
+                gen=g.key[1],
+                worker=worker,
+                position=covered,
+                transfer=transfer,
+                ticket=ticket,
+            ),
+        )
 
-    def _report_wrong(self, g: _Gen, w: _Worker, blk: int, bi: int, pstart: int, count: int, what: str,
-                      line: int, witness: Iterable[int | None], transfer: str | None, ticket: str | None) -> None:
+    def _report_wrong(
+        self,
+        g: _Gen,
+        w: _Worker,
+        blk: int,
+        bi: int,
+        pstart: int,
+        count: int,
+        what: str,
+        line: int,
+        witness: Iterable[int | None],
+        transfer: str | None,
+        ticket: str | None,
+    ) -> None:
         """Report the first wrong element of positions ``pstart .. pstart+count-1``
         in ``blk`` over all parts: lowest position, then layer."""
         L = self.layout
@@ -1906,7 +2166,7 @@ class TorchBackend:
         rows = self._rows(tags, pstart, codes)
         best = None
         for i, (l0, l1, hs) in enumerate(w.parts):
-            a = w.pools[i][blk, s0: s0 + count]
+            a = w.pools[i][blk, s0 : s0 + count]
             e = self._qpart(l0, l1, hs) + rows
             if L.fp8:
                 s = w.scales[i][blk] if L.scale == "per-block" else w.scales[i][0]
@@ -1932,21 +2192,36 @@ class TorchBackend:
         position = pstart + t
         head = w.parts[i][2][h]
         found, found_text = self._decode_row(row)
-        if (isinstance(found, dict) and (found.get("request"), found.get("gen")) == g.key
-                and found.get("position_mod") == position % self._radix and found.get("head") == head % self._radix):
+        if (
+            isinstance(found, dict)
+            and (found.get("request"), found.get("gen")) == g.key
+            and found.get("position_mod") == position % self._radix
+            and found.get("head") == head % self._radix
+        ):
             found_text = f"its own KV for position {position}, but written for another input token"
         if raw is not None:
             found, found_text = self._rescaled(found, found_text, raw, scale, layer - w.parts[i][0], k, h)
         wrote = w.last_write.get(blk)
-        if w.restart_line is not None and (wrote is None or w.restart_line > wrote) and w.restart_stamp >= w.stamp.get(blk, 0):
+        if (
+            w.restart_line is not None
+            and (wrote is None or w.restart_line > wrote)
+            and w.restart_stamp >= w.stamp.get(blk, 0)
+        ):
             wrote = w.restart_line
         prompt = self._prompt(g)
         if position < prompt:
             origin = tags[0] if len(tags) == 1 else tags[t]
-            expected = "the prompt KV" if origin == g.tag else (
-                f"the shared prompt KV computed by {_fmt(self._tags[origin])}")
+            expected = (
+                "the prompt KV"
+                if origin == g.tag
+                else (f"the shared prompt KV computed by {_fmt(self._tags[origin])}")
+            )
         else:
-            expected = f"the KV of input token {g.exp_tok[position]}" if position in g.exp_tok else "no KV ever written"
+            expected = (
+                f"the KV of input token {g.exp_tok[position]}"
+                if position in g.exp_tok
+                else "no KV ever written"
+            )
         kind = "latent" if L.layout == "mla" else f"{'KV'[k]} head {head}"
         msg = (
             f"{what} of {_fmt(g.key)} on {w.name!r}: block {blk} (table index {bi}) at position "
@@ -1955,26 +2230,44 @@ class TorchBackend:
         )
         if wrote is not None:
             msg += f" (the block was last written at line {wrote})"
-        self._emit((g.key, w.name, blk, position), KVCorruption(
-            KV_CORRUPTION, line, msg, _witness(list(witness) + [wrote], line),
-            request=g.key[0], gen=g.key[1], worker=w.name, block=blk,
-            layer=layer, position=position, head=head, rank=i, found=found,
-            transfer=transfer, ticket=ticket,
-        ))
+        self._emit(
+            (g.key, w.name, blk, position),
+            KVCorruption(
+                KV_CORRUPTION,
+                line,
+                msg,
+                _witness(list(witness) + [wrote], line),
+                request=g.key[0],
+                gen=g.key[1],
+                worker=w.name,
+                block=blk,
+                layer=layer,
+                position=position,
+                head=head,
+                rank=i,
+                found=found,
+                transfer=transfer,
+                ticket=ticket,
+            ),
+        )
 
-    def _rescaled(self, found: Any, text: str, raw: torch.Tensor, scale: torch.Tensor, layer: int, k: int,
-                  h: int) -> tuple[Any, str]:
+    def _rescaled(
+        self, found: Any, text: str, raw: torch.Tensor, scale: torch.Tensor, layer: int, k: int, h: int
+    ) -> tuple[Any, str]:
         """fp8: the element read with the scale its block or worker has; if
         that makes no sense, try the scales KV is written with (whose KV it is,
         read with a wrong scale), and say whether the scale itself is missing."""
         s = scale[0] if scale.shape[0] == 1 else scale
         s = float(s[layer, k, h if s.shape[2] > 1 else 0, 0]) if s.dim() == 4 else float(s.flatten()[0])
         if s != s and not bool(torch.isnan(raw).any()):
-            return found, "KV without its scale (the block's per-block scale is missing: not written, or " \
-                          "left behind by the transfer)"
+            return (
+                found,
+                "KV without its scale (the block's per-block scale is missing: not written, or "
+                "left behind by the transfer)",
+            )
         if isinstance(found, dict) or found == "poison":
             return found, text
-        candidates = {2.0 ** -e for e in range(3)} | {wk.static_scale for wk in self._workers.values()}
+        candidates = {2.0**-e for e in range(3)} | {wk.static_scale for wk in self._workers.values()}
         for c in sorted(candidates):
             f, t = self._decode_row(raw * c)
             if isinstance(f, dict):
@@ -1993,12 +2286,16 @@ class TorchBackend:
             return None, "unrecognisable bytes"
         tag = int(c[0] - 1) + radix * int(c[1] - 1)
         pos_code, head = int(c[2] - 1), int(c[3] - 1)
-        cands = self._tags[tag:: radix * radix]
+        cands = self._tags[tag :: radix * radix]
         if len(cands) != 1:
             return None, f"KV of an unknown generation (position = {pos_code} mod {radix}, head {head})"
         key = cands[0]
         if key == _PROBE:
-            return {"request": None, "gen": None, "probe": True}, "the probe written at the end of the history"
+            return {
+                "request": None,
+                "gen": None,
+                "probe": True,
+            }, "the probe written at the end of the history"
         found = {"request": key[0], "gen": key[1], "position_mod": pos_code, "head": head}
         return found, f"KV of {_fmt(key)} for position {pos_code} (mod {radix}), head {head}"
 
@@ -2010,8 +2307,15 @@ class TorchBackend:
         for b in table:
             if self._final.get((worker, b)) == g.key:
                 del self._final[(worker, b)]
-        self._verify(g, worker, table, pos + 1, line,
-                     f"final check (after the last decode at line {dline})", [dline, g.prefill_line])
+        self._verify(
+            g,
+            worker,
+            table,
+            pos + 1,
+            line,
+            f"final check (after the last decode at line {dline})",
+            [dline, g.prefill_line],
+        )
 
     def _write_probe(self, worker: str, b: int, line: int) -> None:
         w = self._worker(worker, "decode", [b])
@@ -2030,16 +2334,26 @@ class TorchBackend:
             if self._check(w, i, b, 0, bs, self._qpart(l0, l1, hs) + rows):
                 continue
             who = "free" if not owners else f"now owned by {_fmt(owners[0])}"
-            self._emit(("probe", t.tid), KVCorruption(
-                KV_CORRUPTION, line,
-                f"transfer {t.tid!r} of {_fmt(t.key)} writes into block {b} on {worker!r}, which was "
-                f"freed or re-allocated while the write was in flight ({who}): the write, landing at "
-                f"the end of the history (the latest it can), overwrote the KV the block held then "
-                f"(a probe standing for its next owner's KV)",
-                _witness([t.line, w.last_write.get(b)], line),
-                request=t.key[0], gen=t.key[1], worker=worker, block=b, rank=i,
-                transfer=t.tid, ticket=t.ticket, found={"request": t.key[0], "gen": t.key[1]},
-            ))
+            self._emit(
+                ("probe", t.tid),
+                KVCorruption(
+                    KV_CORRUPTION,
+                    line,
+                    f"transfer {t.tid!r} of {_fmt(t.key)} writes into block {b} on {worker!r}, which was "
+                    f"freed or re-allocated while the write was in flight ({who}): the write, landing at "
+                    f"the end of the history (the latest it can), overwrote the KV the block held then "
+                    f"(a probe standing for its next owner's KV)",
+                    _witness([t.line, w.last_write.get(b)], line),
+                    request=t.key[0],
+                    gen=t.key[1],
+                    worker=worker,
+                    block=b,
+                    rank=i,
+                    transfer=t.tid,
+                    ticket=t.ticket,
+                    found={"request": t.key[0], "gen": t.key[1]},
+                ),
+            )
             return
 
     def _verify_transfer(self, t: _Xfer, line: int, what: str) -> None:
@@ -2053,12 +2367,24 @@ class TorchBackend:
         if not t.moves:
             self._plan(t)
         prompt = self._prompt(g)
-        for (i, sb, db, p0, s0, s1) in t.moves:
+        for i, sb, db, p0, s0, s1 in t.moves:
             s1 = min(s1, prompt - p0)
             if s0 >= s1:
                 continue
-            if not self._verify_slots(g, t.dst, db, p0, s0, s1, t.layers, line, f"{what} {t.tid!r}",
-                                      [t.line, g.prefill_line], t.tid, t.ticket):
+            if not self._verify_slots(
+                g,
+                t.dst,
+                db,
+                p0,
+                s0,
+                s1,
+                t.layers,
+                line,
+                f"{what} {t.tid!r}",
+                [t.line, g.prefill_line],
+                t.tid,
+                t.ticket,
+            ):
                 return
 
     # -- one handler per event kind -----------------------------------------
@@ -2225,7 +2551,7 @@ class TorchBackend:
                 if t.tokens is None:
                     self._poison(w, t.dst_blocks, line)  # a partial write: garbage
                 else:
-                    for (i, sb, db, p0, s0, s1) in t.moves:
+                    for i, sb, db, p0, s0, s1 in t.moves:
                         self._poison(w, [db], line, s0, s1)
         self._drop_writer(t)
 
@@ -2237,9 +2563,11 @@ class TorchBackend:
         dst = self._worker(t.dst, "decode", t.dst_blocks)
         if src is None or dst is None or not t.src_blocks or not t.dst_blocks:
             return
-        pairs = [(self._fail_target(t.dst, dst.pools[i][0]), src.pools[i][t.src_blocks[0]])
-                 for i in range(min(len(dst.pools), len(src.pools)))
-                 if dst.pools[i][0].shape == src.pools[i][0].shape]
+        pairs = [
+            (self._fail_target(t.dst, dst.pools[i][0]), src.pools[i][t.src_blocks[0]])
+            for i in range(min(len(dst.pools), len(src.pools)))
+            if dst.pools[i][0].shape == src.pools[i][0].shape
+        ]
         if pairs:
             self.transport.fail(Transfer(t.tid, t.src, t.dst, self._pull, pairs=pairs))
 
@@ -2281,7 +2609,7 @@ class TorchBackend:
                 tline = t.line
                 if not t.moves:
                     self._plan(t)
-                for (i, sb, db, p0, s0, s1) in t.moves:
+                for i, sb, db, p0, s0, s1 in t.moves:
                     by_index[p0 // bs] = db
         info = self._tickets.get(ev.ticket)
         if info is not None and info[1] == ev.worker and info[0] == g.key:
@@ -2317,26 +2645,30 @@ class TorchBackend:
         prompt = self._prompt(g)
         bs = self.layout.block_size
         shared = g.shared.get(ev.worker)
-        if shared and not self._verify(g, ev.worker, table, min(shared[1], prompt), line, what, witness,
-                                       ticket=ev.ticket):
+        if shared and not self._verify(
+            g, ev.worker, table, min(shared[1], prompt), line, what, witness, ticket=ev.ticket
+        ):
             return
         for t in landed:
             if not t.moves:
                 self._plan(t)
             items: list[tuple[int, int, int, int]] = []  # (block, first position, slots, first slot)
-            for (i, sb, db, p0, s0, s1) in t.moves:
+            for i, sb, db, p0, s0, s1 in t.moves:
                 s1 = min(s1, prompt - p0)
                 if s0 >= s1:
                     continue
                 if p0 // bs >= len(table):
-                    if self._verify_items(g, ev.worker, items, t.layers, line, what, witness + [t.line], t.tid,
-                                          ev.ticket):
-                        self._report_missing(g, ev.worker, table, len(table) * bs, what, line, witness, t.tid,
-                                             ev.ticket)
+                    if self._verify_items(
+                        g, ev.worker, items, t.layers, line, what, witness + [t.line], t.tid, ev.ticket
+                    ):
+                        self._report_missing(
+                            g, ev.worker, table, len(table) * bs, what, line, witness, t.tid, ev.ticket
+                        )
                     return
                 items.append((table[p0 // bs], p0 + s0, s1 - s0, s0))
-            if not self._verify_items(g, ev.worker, items, t.layers, line, what, witness + [t.line], t.tid,
-                                      ev.ticket):
+            if not self._verify_items(
+                g, ev.worker, items, t.layers, line, what, witness + [t.line], t.tid, ev.ticket
+            ):
                 return
 
     def _on_decode(self, ev: Decode, line: int) -> None:
@@ -2352,15 +2684,31 @@ class TorchBackend:
                     if self._final.get((worker, b)) == key:
                         del self._final[(worker, b)]
             g.last_decode = None
-        self._verify(g, ev.worker, ev.blocks, ev.position, line,
-                     f"decode at position {ev.position}", [g.committed[2] if g.committed else None, g.prefill_line])
+        self._verify(
+            g,
+            ev.worker,
+            ev.blocks,
+            ev.position,
+            line,
+            f"decode at position {ev.position}",
+            [g.committed[2] if g.committed else None, g.prefill_line],
+        )
         w = self._worker(ev.worker, "decode", ev.blocks)
         if w is None:
             return
         bs = self.layout.block_size
         if ev.position // bs >= len(ev.blocks):
-            self._report_missing(g, ev.worker, ev.blocks, len(ev.blocks) * bs,
-                                 f"decode at position {ev.position} (its own KV)", line, [], None, None)
+            self._report_missing(
+                g,
+                ev.worker,
+                ev.blocks,
+                len(ev.blocks) * bs,
+                f"decode at position {ev.position} (its own KV)",
+                line,
+                [],
+                None,
+                None,
+            )
         else:
             # a decode writes its input's KV at its position; under recompute the
             # first decode recomputes the last prompt token's, which is prompt KV
@@ -2441,8 +2789,12 @@ class TorchBackend:
                 out[b] = (0, [r[j] for r in rows], [s[j] for s in scales], list(w.origin[b]))
             return out
         for b in keep:
-            out[b] = (0, [_bytes(p[b]).clone() for p in w.pools],
-                      [s[b].clone() for s in w.scales] if per_block else [], list(w.origin[b]))
+            out[b] = (
+                0,
+                [_bytes(p[b]).clone() for p in w.pools],
+                [s[b].clone() for s in w.scales] if per_block else [],
+                list(w.origin[b]),
+            )
         return out
 
     def _on_restart(self, ev: Restart, line: int) -> None:
@@ -2537,8 +2889,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     compared with ``memcmp`` (a third faster than ``torch.equal`` on large
     rows); others in the widest integers the rows allow (several times
     faster than comparing bfloat16 elements)."""
-    if (_MEMCMP is not None and not a.is_cuda and not b.is_cuda and a.dtype == b.dtype
-            and a.shape == b.shape and a.is_contiguous() and b.is_contiguous()):
+    if (
+        _MEMCMP is not None
+        and not a.is_cuda
+        and not b.is_cuda
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.is_contiguous()
+        and b.is_contiguous()
+    ):
         n = a.numel() * a.element_size()
         return n == 0 or _MEMCMP(a.data_ptr(), b.data_ptr(), n) == 0
     width = a.shape[-1] * a.element_size()
@@ -2553,7 +2912,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _nan_bits(dtype: torch.dtype) -> int:
     """The integer whose bits are a NaN of ``dtype`` (see :func:`_bytes`)."""
-    return int(torch.tensor(float("nan"), dtype=dtype).view(_RAW[torch.empty((), dtype=dtype).element_size()]))
+    return int(
+        torch.tensor(float("nan"), dtype=dtype).view(_RAW[torch.empty((), dtype=dtype).element_size()])
+    )
 
 
 def _device(device: str | torch.device) -> torch.device:

@@ -47,7 +47,8 @@ import copy as _copy
 import hashlib
 import math
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -96,15 +97,27 @@ class LogitDivergence(Violation):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        for name in ("request", "gen", "worker", "step", "position", "reference_position", "max_difference",
-                     "token_changed", "token", "expected_token"):
+        for name in (
+            "request",
+            "gen",
+            "worker",
+            "step",
+            "position",
+            "reference_position",
+            "max_difference",
+            "token_changed",
+            "token",
+            "expected_token",
+        ):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
         return out
 
 
-def prompt_tokens(request: str, gen: int, prompt_len: int, vocab: int, length: int | None = None) -> list[int]:
+def prompt_tokens(
+    request: str, gen: int, prompt_len: int, vocab: int, length: int | None = None
+) -> list[int]:
     """The deterministic prompt of ``(request, gen, prompt_len)``: ``length``
     (default ``prompt_len``) token ids below ``vocab``, the same on every
     machine and run."""
@@ -116,8 +129,9 @@ def prompt_tokens(request: str, gen: int, prompt_len: int, vocab: int, length: i
 # -- the model's one computation ---------------------------------------------------
 
 
-def _forward(m: LoadedModel, prefix: torch.Tensor, tokens: Sequence[int], start: int,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    m: LoadedModel, prefix: torch.Tensor, tokens: Sequence[int], start: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``tokens`` at positions ``start..`` over the cache ``prefix``
     (``[c, layers, K/V, kv_heads, head_dim]``, positions ``start-c..start-1``);
     return (logits ``[len(tokens), vocab]`` in float32, the new K/V
@@ -126,8 +140,10 @@ def _forward(m: LoadedModel, prefix: torch.Tensor, tokens: Sequence[int], start:
     that equal KV gives equal bits."""
     tf_cache = _dynamic_cache()
     c, n = prefix.shape[0], len(tokens)
-    data = [(prefix[:, l, 0].permute(1, 0, 2).unsqueeze(0), prefix[:, l, 1].permute(1, 0, 2).unsqueeze(0))
-            for l in range(m.layers)]
+    data = [
+        (prefix[:, l, 0].permute(1, 0, 2).unsqueeze(0), prefix[:, l, 1].permute(1, 0, 2).unsqueeze(0))
+        for l in range(m.layers)
+    ]
     cache = tf_cache(ddp_cache_data=data)
     kpos = torch.arange(start - c, start + n, device=device)
     qpos = torch.arange(start, start + n, device=device)
@@ -136,12 +152,23 @@ def _forward(m: LoadedModel, prefix: torch.Tensor, tokens: Sequence[int], start:
         allow &= kpos.view(1, -1) > qpos.view(-1, 1) - m.window
     mask = allow.view(1, 1, n, c + n)
     if getattr(m.model.config, "_attn_implementation", "sdpa") == "eager":
-        mask = torch.zeros(mask.shape, dtype=m.dtype, device=device).masked_fill_(~mask, torch.finfo(m.dtype).min)
+        mask = torch.zeros(mask.shape, dtype=m.dtype, device=device).masked_fill_(
+            ~mask, torch.finfo(m.dtype).min
+        )
     with torch.inference_mode():
-        out = m.model(input_ids=torch.tensor([list(tokens)], device=device), position_ids=qpos.view(1, -1),
-                      attention_mask=mask, use_cache=True, **{m.cache_kw: cache})
-        kv = torch.stack([torch.stack((cache.layers[l].keys[0, :, c:], cache.layers[l].values[0, :, c:]))
-                          for l in range(m.layers)])  # [layers, K/V, heads, n, head_dim]
+        out = m.model(
+            input_ids=torch.tensor([list(tokens)], device=device),
+            position_ids=qpos.view(1, -1),
+            attention_mask=mask,
+            use_cache=True,
+            **{m.cache_kw: cache},
+        )
+        kv = torch.stack(
+            [
+                torch.stack((cache.layers[l].keys[0, :, c:], cache.layers[l].values[0, :, c:]))
+                for l in range(m.layers)
+            ]
+        )  # [layers, K/V, heads, n, head_dim]
         return out.logits[0].float(), kv.permute(3, 0, 1, 2, 4).contiguous()
 
 
@@ -163,8 +190,16 @@ class _Reference:
 
     __slots__ = ("tokens", "n", "split", "boundary", "kv", "length", "last_logits", "steps", "inputs")
 
-    def __init__(self, m: LoadedModel, tokens: list[int], n: int, split: int, prefix: torch.Tensor,
-                 boundary: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        m: LoadedModel,
+        tokens: list[int],
+        n: int,
+        split: int,
+        prefix: torch.Tensor,
+        boundary: str,
+        device: torch.device,
+    ) -> None:
         self.tokens, self.n, self.split, self.boundary = tokens, n, split, boundary
         lo = _low(m, split)
         logits, kv = _forward(m, prefix[lo:split], tokens[split:n], split, device)
@@ -194,10 +229,11 @@ class _Reference:
             j = len(self.steps)
             q = self.start + j
             token = self.input(m, j, device)
-            logits, kv = _forward(m, self.kv[_low(m, q):q], [token], q, device)
+            logits, kv = _forward(m, self.kv[_low(m, q) : q], [token], q, device)
             if q + 1 > self.kv.shape[0]:
-                bigger = torch.empty((2 * self.kv.shape[0],) + tuple(self.kv.shape[1:]), dtype=self.kv.dtype,
-                                     device=device)
+                bigger = torch.empty(
+                    (2 * self.kv.shape[0],) + tuple(self.kv.shape[1:]), dtype=self.kv.dtype, device=device
+                )
                 bigger[: self.length] = self.kv[: self.length]
                 self.kv = bigger
             self.kv[q] = kv[0]
@@ -222,12 +258,14 @@ class _Real(_tb.TorchBackend):
 
     pending: tuple[int, torch.Tensor] | None = None
 
-    def _write_runs(self, w: Any, spans: list[tuple[int, int, int]], tags: Sequence[int], start: int,
-                    codes: Sequence[int]) -> None:
+    def _write_runs(
+        self, w: Any, spans: list[tuple[int, int, int]], tags: Sequence[int], start: int, codes: Sequence[int]
+    ) -> None:
         self._put(w, spans)
 
-    def _write_chunks(self, w: Any, spans: list[tuple[int, int, int]], tags: Sequence[int], start: int,
-                      codes: Sequence[int]) -> None:
+    def _write_chunks(
+        self, w: Any, spans: list[tuple[int, int, int]], tags: Sequence[int], start: int, codes: Sequence[int]
+    ) -> None:
         self._put(w, spans)
 
     def _put(self, w: Any, spans: list[tuple[int, int, int]]) -> None:
@@ -241,8 +279,8 @@ class _Real(_tb.TorchBackend):
             if vals is None or pos[0] < first or pos[-1] - first >= vals.shape[0]:
                 flat.index_fill_(0, index, float("nan"))  # nothing the model computed: unknown KV
                 continue
-            rows = vals[pos[0] - first: pos[-1] - first + 1]
-            flat.index_copy_(0, index, rows[:, l0:l1, :, hs[0]: hs[-1] + 1])
+            rows = vals[pos[0] - first : pos[-1] - first + 1]
+            flat.index_copy_(0, index, rows[:, l0:l1, :, hs[0] : hs[-1] + 1])
 
     def _verify(self, *args: Any, **kwargs: Any) -> bool:
         return True
@@ -259,7 +297,7 @@ class _Real(_tb.TorchBackend):
     def _verify_probe(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    def copy(self) -> "_Real":
+    def copy(self) -> _Real:
         new = super().copy()
         new.__class__ = _Real
         new.pending = None
@@ -270,8 +308,19 @@ class _Real(_tb.TorchBackend):
 
 
 class _MGen:
-    __slots__ = ("key", "prompt_len", "tokens", "src", "split", "ref", "first_pos", "at", "diverged",
-                 "prefill_line", "decodes")
+    __slots__ = (
+        "key",
+        "prompt_len",
+        "tokens",
+        "src",
+        "split",
+        "ref",
+        "first_pos",
+        "at",
+        "diverged",
+        "prefill_line",
+        "decodes",
+    )
 
     def __init__(self, key: tuple[str, int]) -> None:
         self.key = key
@@ -286,7 +335,7 @@ class _MGen:
         self.prefill_line: int | None = None
         self.decodes = 0
 
-    def copy(self) -> "_MGen":
+    def copy(self) -> _MGen:
         n = _copy.copy(self)
         n.src = dict(self.src)
         n.at = dict(self.at)
@@ -310,11 +359,22 @@ class ModelBackend:
     threads while the model runs (restored after; None leaves them): 1 by
     default, since a tiny model's steps are too small to share."""
 
-    def __init__(self, header: HistoryHeader | None = None, *, model: str | LoadedModel = "tiny-llama",
-                 device: str = "cpu", dtype: str | None = None, tp: tuple[int, int] | str | None = None,
-                 head_dim: int | None = None, block_size: int | None = None, scale: str | None = None,
-                 layout: str | None = None, max_memory: int | None = _tb.DEFAULT_MAX_MEMORY,
-                 boundary: str | None = None, threads: int | None = 1) -> None:
+    def __init__(
+        self,
+        header: HistoryHeader | None = None,
+        *,
+        model: str | LoadedModel = "tiny-llama",
+        device: str = "cpu",
+        dtype: str | None = None,
+        tp: tuple[int, int] | str | None = None,
+        head_dim: int | None = None,
+        block_size: int | None = None,
+        scale: str | None = None,
+        layout: str | None = None,
+        max_memory: int | None = _tb.DEFAULT_MAX_MEMORY,
+        boundary: str | None = None,
+        threads: int | None = 1,
+    ) -> None:
         header = header if header is not None else HistoryHeader()
         m = model if isinstance(model, LoadedModel) else load_model(model)
         kv = getattr(header, "kv", None) if getattr(header, "version", 1) != 1 else None
@@ -325,13 +385,32 @@ class ModelBackend:
         self.boundary = boundary if boundary is not None else getattr(header, "boundary", "sampled")
         if self.boundary not in ("sampled", "recompute"):
             raise UsageError("boundary", self.boundary, "sampled or recompute")
-        self.tags = _tb.TorchBackend(header, device=device, dtype=dtype, tp=tp, layers=m.layers,
-                                     kv_heads=m.kv_heads, head_dim=head_dim, block_size=block_size, layout="mha",
-                                     scale=scale, max_memory=max_memory)
+        self.tags = _tb.TorchBackend(
+            header,
+            device=device,
+            dtype=dtype,
+            tp=tp,
+            layers=m.layers,
+            kv_heads=m.kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            layout="mha",
+            scale=scale,
+            max_memory=max_memory,
+        )
         self.device = self.tags.device
-        self.real = _Real(header, device=self.device, dtype=_tb.canonical_dtype(str(m.dtype).split(".")[-1]),
-                          tp=tp, layers=m.layers, kv_heads=m.kv_heads, head_dim=m.head_dim,
-                          block_size=block_size, layout="mha", max_memory=max_memory)
+        self.real = _Real(
+            header,
+            device=self.device,
+            dtype=_tb.canonical_dtype(str(m.dtype).split(".")[-1]),
+            tp=tp,
+            layers=m.layers,
+            kv_heads=m.kv_heads,
+            head_dim=m.head_dim,
+            block_size=block_size,
+            layout="mha",
+            max_memory=max_memory,
+        )
         if next(m.model.parameters()).device != self.device:
             m.model.to(self.device)
         if threads is not None and (type(threads) is not int or threads < 1):
@@ -368,7 +447,9 @@ class ModelBackend:
         if kind is PrefillDone or kind is Decode:
             before = torch.get_num_threads()
             if self.threads is not None and before != self.threads:
-                torch.set_num_threads(self.threads)  # small steps: waking more threads costs more than it gains
+                torch.set_num_threads(
+                    self.threads
+                )  # small steps: waking more threads costs more than it gains
             try:
                 found = self._prefill(event, line) if kind is PrefillDone else self._decode(event, line)
             finally:
@@ -395,7 +476,7 @@ class ModelBackend:
         self.violations.extend(out)
         return out
 
-    def copy(self) -> "ModelBackend":
+    def copy(self) -> ModelBackend:
         """An independent backend in the same state (the model and its
         reference runs are shared: they are deterministic)."""
         new = object.__new__(ModelBackend)
@@ -413,12 +494,21 @@ class ModelBackend:
         """The model's part of ``pdproto replay --json``'s ``backend``."""
         m = self.m
         return {
-            "name": m.name, "layers": m.layers, "heads": m.heads, "kv_heads": m.kv_heads, "head_dim": m.head_dim,
-            "vocab": m.vocab, "window": m.window, "dtype": str(m.dtype).split(".")[-1], "boundary": self.boundary,
-            "prefills": self.counts["prefill"], "decodes": self.counts["decode"],
+            "name": m.name,
+            "layers": m.layers,
+            "heads": m.heads,
+            "kv_heads": m.kv_heads,
+            "head_dim": m.head_dim,
+            "vocab": m.vocab,
+            "window": m.window,
+            "dtype": str(m.dtype).split(".")[-1],
+            "boundary": self.boundary,
+            "prefills": self.counts["prefill"],
+            "decodes": self.counts["decode"],
             "reference_steps": self.counts["reference_steps"],
             "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
-            "bytes_copied": self.real.bytes_copied, "memory": self.real.memory,
+            "bytes_copied": self.real.bytes_copied,
+            "memory": self.real.memory,
         }
 
     # -- generations and prompts -------------------------------------------------------------
@@ -478,9 +568,17 @@ class ModelBackend:
                     prefix[p] = p_prefix[p]
                 else:
                     prefix[p] = float("nan")
-        key = (tuple(tokens[:n]), s, self.boundary, str(self.device),
-               hashlib.blake2b(prefix.cpu().contiguous().view(torch.uint8).numpy().tobytes(),
-                               digest_size=16).digest() if s else None)
+        key = (
+            tuple(tokens[:n]),
+            s,
+            self.boundary,
+            str(self.device),
+            hashlib.blake2b(
+                prefix.cpu().contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16
+            ).digest()
+            if s
+            else None,
+        )
         refs = m.references
         ref = refs.get(key)
         if ref is not None:
@@ -490,8 +588,9 @@ class ModelBackend:
             ref = _Reference(m, tokens, n, s, prefix, self.boundary, self.device)
             self.seconds["reference"] += time.perf_counter() - t0
             refs[key] = ref
-            while len(refs) > 1 and (len(refs) > _MAX_REFERENCES
-                                     or sum(r.kv.nbytes for r in refs.values()) > _MAX_REFERENCE_BYTES):
+            while len(refs) > 1 and (
+                len(refs) > _MAX_REFERENCES or sum(r.kv.nbytes for r in refs.values()) > _MAX_REFERENCE_BYTES
+            ):
                 refs.popitem(last=False)
         g.ref = ref
         return ref
@@ -527,7 +626,7 @@ class ModelBackend:
             if all((l0, h) in done for h in hs):
                 continue  # a replicated head: the first rank holding it is the one read
             part = w.flats[i].index_select(0, index)
-            out[:, l0:l1, :, hs[0]: hs[-1] + 1].index_copy_(0, dst, part)
+            out[:, l0:l1, :, hs[0] : hs[-1] + 1].index_copy_(0, dst, part)
             done.update((l0, h) for h in hs)
         return out
 
@@ -549,7 +648,7 @@ class ModelBackend:
             tokens = self._tokens(g, max(n, s + ev.processed_len))
             t0 = time.perf_counter()
             prefix = self._gather(ev.worker, table, 0, s)
-            logits, kv = _forward(m, prefix[_low(m, s):], tokens[s: s + ev.processed_len], s, self.device)
+            logits, kv = _forward(m, prefix[_low(m, s) :], tokens[s : s + ev.processed_len], s, self.device)
             self.seconds["prefill"] += time.perf_counter() - t0
             self.counts["prefill"] += 1
             first = int(logits[-1].argmax())
@@ -615,13 +714,22 @@ class ModelBackend:
         tg = self.tags._gens.get(key)
         commit = tg.committed[2] if tg is not None and tg.committed else None
         return LogitDivergence(
-            LOGIT_DIVERGENCE, line,
+            LOGIT_DIVERGENCE,
+            line,
             f"decode step {k} of {_tb._fmt(key)} at {where} on {ev.worker!r}: its logits differ from "
             f"the colocated run's by up to {'NaN' if big == 'nan' else f'{diff:.3g}'} (greedy token "
             + (f"changed: {mine} instead of {ref_token}" if changed else f"unchanged: {mine}")
             + "): the KV it read through its block table, or its input token, is not what colocated "
             "decoding has",
             _tb._witness([commit, g.prefill_line], line),
-            request=ev.request, gen=ev.gen, worker=ev.worker, step=k, position=q, reference_position=rq,
-            max_difference=big, token_changed=changed, token=mine, expected_token=ref_token,
+            request=ev.request,
+            gen=ev.gen,
+            worker=ev.worker,
+            step=k,
+            position=q,
+            reference_position=rq,
+            max_difference=big,
+            token_changed=changed,
+            token=mine,
+            expected_token=ref_token,
         )

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -37,8 +38,19 @@ import torch
 from .._errors import TransportError, UsageError
 from ._transports_table import TRANSPORTS
 
-__all__ = ["TRANSPORTS", "BlockMove", "Transfer", "Transport", "CopyTransport", "Registered", "TransportError",
-           "TransportStatistics", "make_transport", "block_views", "byte_runs"]
+__all__ = [
+    "TRANSPORTS",
+    "BlockMove",
+    "Transfer",
+    "Transport",
+    "CopyTransport",
+    "Registered",
+    "TransportError",
+    "TransportStatistics",
+    "make_transport",
+    "block_views",
+    "byte_runs",
+]
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
 
@@ -143,16 +155,17 @@ def block_views(m: BlockMove) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     dl, sl = m.dl, m.sl
     for d, s, n in runs:
         if full:
-            yield m.dst[d: d + n], m.src[s: s + n]
+            yield m.dst[d : d + n], m.src[s : s + n]
         else:
-            yield (m.dst[d: d + n, t0:t1, dl[0]: dl[1], :, dj0:dj1],
-                   m.src[s: s + n, t0:t1, sl[0]: sl[1], :, si0:si1])
+            yield (
+                m.dst[d : d + n, t0:t1, dl[0] : dl[1], :, dj0:dj1],
+                m.src[s : s + n, t0:t1, sl[0] : sl[1], :, si0:si1],
+            )
 
 
 def _whole(m: BlockMove) -> bool:
     """Does ``m`` move whole blocks (every layer, head and slot)?"""
-    return (m.dl == (0, m.dst.shape[2]) and m.sl == (0, m.src.shape[2]) and m.heads is None
-            and m.slots is None)
+    return m.dl == (0, m.dst.shape[2]) and m.sl == (0, m.src.shape[2]) and m.heads is None and m.slots is None
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -253,8 +266,9 @@ class Transport:
         elapsed = time.perf_counter() - t0
         if state != DONE:
             self._error(f"transfer {x.tid!r} ended in state {state}")
-            raise TransportError(self.name, f"transfer {x.tid!r} from {x.src!r} to {x.dst!r}",
-                                 f"the library reported {state}")
+            raise TransportError(
+                self.name, f"transfer {x.tid!r} from {x.src!r} to {x.dst!r}", f"the library reported {state}"
+            )
         self._count("transfers")
         self._count("bytes", nbytes)
         self._count("seconds", elapsed)
@@ -288,10 +302,10 @@ class Transport:
         s["median_latency"] = lat[len(lat) // 2] if lat else 0.0
         return TransportStatistics(self.name, **s)
 
-    def __deepcopy__(self, memo: dict) -> "Transport":
+    def __deepcopy__(self, memo: dict) -> Transport:
         return self
 
-    def __copy__(self) -> "Transport":
+    def __copy__(self) -> Transport:
         return self
 
     # helpers ---------------------------------------------------------------
@@ -352,8 +366,11 @@ def _copy_move(m: BlockMove) -> None:
     """``m`` with torch copies: many whole blocks at once with one
     index_copy_, else one copy_ per run of consecutive blocks."""
     if _whole(m) and len(m.dst_ids) > 16 and len(set(m.dst_ids)) == len(m.dst_ids):
-        runs = 1 + sum(1 for i in range(1, len(m.dst_ids))
-                       if m.dst_ids[i] != m.dst_ids[i - 1] + 1 or m.src_ids[i] != m.src_ids[i - 1] + 1)
+        runs = 1 + sum(
+            1
+            for i in range(1, len(m.dst_ids))
+            if m.dst_ids[i] != m.dst_ids[i - 1] + 1 or m.src_ids[i] != m.src_ids[i - 1] + 1
+        )
         if runs > 16:
             di = torch.tensor(list(m.dst_ids), device=m.dst.device, dtype=torch.int64)
             si = torch.tensor(list(m.src_ids), device=m.src.device, dtype=torch.int64)
@@ -376,7 +393,6 @@ def make_transport(name: str | Transport | None, **options: Any) -> Transport:
     if name == "mooncake":
         return importlib.import_module("pdproto.backends._mooncake").MooncakeTransport(**options)
     raise UsageError("--transport", name, "one of " + ", ".join(TRANSPORTS))
-
 
 
 def byte_runs(d: torch.Tensor, s: torch.Tensor) -> tuple[Any, Any, int]:

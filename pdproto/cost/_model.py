@@ -97,7 +97,9 @@ def _optional_positive_int(_inst: object, attr: attrs.Attribute[Any], value: obj
         _positive_int(_inst, attr, value)
 
 
-def _number(low: float, high: float, low_inclusive: bool) -> Callable[[object, attrs.Attribute[Any], object], None]:
+def _number(
+    low: float, high: float, low_inclusive: bool
+) -> Callable[[object, attrs.Attribute[Any], object], None]:
     allowed = f"a finite number {'>=' if low_inclusive else '>'} {low:g} and <= {high:g}"
     if low == MIN_BANDWIDTH_GIBPS:
         allowed = f"a number from {low:g} to {high:g}"

@@ -13,8 +13,8 @@ import math
 import pathlib
 from xml.sax.saxutils import escape
 
-from ._model import CostReport, Timeline, format_bytes
 from .._errors import UsageError
+from ._model import CostReport, Timeline, format_bytes
 
 __all__ = ["timeline_svg", "write_plot"]
 

@@ -39,7 +39,8 @@ an engine: the drivers' own test bed), or ``module:attribute`` of your own.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from .._errors import UsageError
 from ..protocol._model import Action, ActionNotEnabled
@@ -121,7 +122,7 @@ def load_adapter(name: str, **options: Any) -> Adapter:
     if name.startswith("model:"):
         from ._loader import load_model  # the catalogue, only when asked for
 
-        model, _info = load_model(name[len("model:"):], **options)
+        model, _info = load_model(name[len("model:") :], **options)
         return ModelAdapter(model)
     spec, defaults = ADAPTERS.get(name, (name, {}))
     module_name, sep, attr = spec.partition(":")
@@ -131,7 +132,9 @@ def load_adapter(name: str, **options: Any) -> Adapter:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if name not in ADAPTERS and exc.name and module_name.startswith(exc.name):
-            raise UsageError("--adapter", name, f"an importable module (no module named {module_name!r})") from None
+            raise UsageError(
+                "--adapter", name, f"an importable module (no module named {module_name!r})"
+            ) from None
         raise
     factory: Callable[..., Adapter] | None = getattr(module, attr, None)
     if factory is None:

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -189,10 +190,16 @@ def run_actions(
                 if action is None:
                     break
                 if limit is not None and taken == limit:
-                    run.violation = _first_new([Violation(
-                        "no-quiescence", len(run.events) + 1,
-                        f"the system did not go quiet within {limit} progress steps after the drawn ones",
-                    )], ignore)
+                    run.violation = _first_new(
+                        [
+                            Violation(
+                                "no-quiescence",
+                                len(run.events) + 1,
+                                f"the system did not go quiet within {limit} progress steps after the drawn ones",
+                            )
+                        ],
+                        ignore,
+                    )
                     return run
                 taken += 1
                 run.violation = _first_new(run.apply(action), ignore)
@@ -209,10 +216,16 @@ def run_actions(
     except PdprotoError:
         raise
     except Exception as exc:  # the real engine raised: a finding, not a crash of pdproto
-        run.violation = _first_new([Violation(
-            ADAPTER_ERROR, len(run.events) + 1,
-            f"{type(exc).__name__} while applying step {len(run.steps) + 1}: {exc}",
-        )], ignore)
+        run.violation = _first_new(
+            [
+                Violation(
+                    ADAPTER_ERROR,
+                    len(run.events) + 1,
+                    f"{type(exc).__name__} while applying step {len(run.steps) + 1}: {exc}",
+                )
+            ],
+            ignore,
+        )
     return run
 
 
@@ -287,8 +300,12 @@ def fuzz_adapter(
 
         left = examples - counts["examples"]
         test = settings(
-            max_examples=left, deadline=None, database=None, print_blob=False,
-            suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
+            max_examples=left,
+            deadline=None,
+            database=None,
+            print_blob=False,
+            suppress_health_check=list(HealthCheck),
+            report_multiple_bugs=False,
             phases=[Phase.generate, Phase.shrink],
         )(given(st.data())(body))
         if seed is not None:
@@ -316,8 +333,14 @@ def fuzz_adapter(
     )
 
 
-def _failure(adapter: Any, run: _Run, v: Violation, known: Mapping[str, str],
-             out: str | os.PathLike[str] | None, index: int) -> AdapterFailure:
+def _failure(
+    adapter: Any,
+    run: _Run,
+    v: Violation,
+    known: Mapping[str, str],
+    out: str | os.PathLike[str] | None,
+    index: int,
+) -> AdapterFailure:
     header = attrs.evolve(adapter.header, complete=run.complete)
     path = None
     if out is not None:

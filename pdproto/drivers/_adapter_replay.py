@@ -24,7 +24,8 @@ re-enacted).
 from __future__ import annotations
 
 import os
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import attrs
 
@@ -130,11 +131,16 @@ def replay_on_adapter(path: str | os.PathLike[str], adapter: Any) -> AdapterRepl
     adapter over a model gets :func:`lookahead_decision`)."""
     decide: Any = getattr(adapter, "decision", None)
     if decide is None and hasattr(adapter, "model"):
+
         def decide(event: Event) -> Any:
             return lookahead_decision(adapter, event)
+
     if decide is None:
-        raise UsageError("--adapter", getattr(adapter, "name", adapter),
-                         "an adapter that offers decision(event) (docs/adapters.md)")
+        raise UsageError(
+            "--adapter",
+            getattr(adapter, "name", adapter),
+            "an adapter that offers decision(event) (docs/adapters.md)",
+        )
     with open_history(path) as reader:
         history = [(line, event) for line, event in reader]
         complete = reader.header.complete
@@ -154,8 +160,9 @@ def replay_on_adapter(path: str | os.PathLike[str], adapter: Any) -> AdapterRepl
             continue
         decided = decide(event)
         if decided is None:
-            divergences.append(Divergence("missing", line, f"{_brief(event)}: no action of the engine "
-                                          "makes it happen here"))
+            divergences.append(
+                Divergence("missing", line, f"{_brief(event)}: no action of the engine makes it happen here")
+            )
             continue
         path = (decided,) if isinstance(decided, Action) else tuple(decided)
         events = []
@@ -164,9 +171,14 @@ def replay_on_adapter(path: str | os.PathLike[str], adapter: Any) -> AdapterRepl
             offered: Sequence[Action] = adapter.actions()
             if action not in offered:
                 shown = ", ".join(map(str, offered[:8])) + (" ..." if len(offered) > 8 else "")
-                divergences.append(Divergence(
-                    "refused", line, f"{_brief(event)} needs {action}, which the engine does not offer "
-                    f"here (it offers: {shown or 'nothing'})"))
+                divergences.append(
+                    Divergence(
+                        "refused",
+                        line,
+                        f"{_brief(event)} needs {action}, which the engine does not offer "
+                        f"here (it offers: {shown or 'nothing'})",
+                    )
+                )
                 refused = True
                 break
             events.extend(adapter.apply(action))
@@ -176,15 +188,22 @@ def replay_on_adapter(path: str | os.PathLike[str], adapter: Any) -> AdapterRepl
             k = event_key(e, engine_owner)
             j = next((j for j in range(i, len(history)) if not matched[j] and keys[j] == k), None)
             if j is None:
-                divergences.append(Divergence("extra", line, f"the engine did {_brief(e)} (while "
-                                              f"re-enacting line {line}), which the history does not have"))
+                divergences.append(
+                    Divergence(
+                        "extra",
+                        line,
+                        f"the engine did {_brief(e)} (while "
+                        f"re-enacting line {line}), which the history does not have",
+                    )
+                )
                 monitor.feed(e, line=line)
             else:
                 matched[j] = True
                 monitor.feed(e, line=history[j][0])  # named by the history line it matched
         if not matched[i] and not refused:
-            divergences.append(Divergence("missing", line, f"{_brief(event)}: the engine took {path[-1]} "
-                                          "but did not do it"))
+            divergences.append(
+                Divergence("missing", line, f"{_brief(event)}: the engine took {path[-1]} but did not do it")
+            )
     monitor.line = history[-1][0] if history else 1  # the end checks name the history's last line
     monitor.finish()
     return AdapterReplayResult(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -73,7 +74,9 @@ class AuditResult:
         }
 
 
-def _observation(observed: str | Iterable[str] | Observation | None, header: HistoryHeader) -> Observation | None:
+def _observation(
+    observed: str | Iterable[str] | Observation | None, header: HistoryHeader
+) -> Observation | None:
     """The ``observed`` override as an Observation: its kinds, each with the
     fields the header says it records."""
     if observed is None or isinstance(observed, Observation):
@@ -114,8 +117,13 @@ def audit(
     try:
         with open_history(os.fspath(path), max_line_bytes=max_line_bytes) as reader:
             header = reader.header
-            monitor = Monitor.from_header(header, policy=policy, complete=complete, skip=skipped,
-                                          observed=_observation(observed, header))
+            monitor = Monitor.from_header(
+                header,
+                policy=policy,
+                complete=complete,
+                skip=skipped,
+                observed=_observation(observed, header),
+            )
             feed = monitor.feed
             for line, event in reader:
                 if feed(event, line) and event.extra:
@@ -131,14 +139,25 @@ def audit(
     if log_lines and path != "-":
         _witness_log_lines(path, violations, log_lines, max_line_bytes)
     partial = getattr(monitor, "observed", None)
-    return AuditResult(events=monitor.events, requests=monitor.requests, policy=monitor.policy,
-                       complete=monitor.complete, violations=violations, header=header,
-                       observed=None if partial is None else tuple(sorted(partial.kinds)),
-                       not_judged=getattr(monitor, "not_judged", ()), log_lines=log_lines)
+    return AuditResult(
+        events=monitor.events,
+        requests=monitor.requests,
+        policy=monitor.policy,
+        complete=monitor.complete,
+        violations=violations,
+        header=header,
+        observed=None if partial is None else tuple(sorted(partial.kinds)),
+        not_judged=getattr(monitor, "not_judged", ()),
+        log_lines=log_lines,
+    )
 
 
-def _witness_log_lines(path: str | os.PathLike[str], violations: tuple[Violation, ...], log_lines: dict[int, int],
-                       max_line_bytes: int) -> None:
+def _witness_log_lines(
+    path: str | os.PathLike[str],
+    violations: tuple[Violation, ...],
+    log_lines: dict[int, int],
+    max_line_bytes: int,
+) -> None:
     """Add the source log's lines of the witnesses (a second pass over the
     file, keeping only those lines: memory stays small)."""
     wanted = {w for v in violations for w in v.witness} - set(log_lines)

@@ -33,7 +33,8 @@ import os
 import random
 import sys
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -42,9 +43,21 @@ from ..protocol._state import Phase
 from ..spec._history import POLICIES, read_events, write_history
 from ..spec._monitor import INVARIANTS
 
-__all__ = ["Entry", "entries", "contract_problems", "judge", "render", "corpus_dir", "load_expected", "run_corpus",
-           "CorpusCase",
-           "EXPECTED_FILE", "FUZZ_EXAMPLES", "FUZZ_SEED", "SAMPLES"]
+__all__ = [
+    "Entry",
+    "entries",
+    "contract_problems",
+    "judge",
+    "render",
+    "corpus_dir",
+    "load_expected",
+    "run_corpus",
+    "CorpusCase",
+    "EXPECTED_FILE",
+    "FUZZ_EXAMPLES",
+    "FUZZ_SEED",
+    "SAMPLES",
+]
 
 #: the fuzz budget of every verdict, with its fixed seed
 FUZZ_EXAMPLES = 2000
@@ -109,14 +122,18 @@ def contract_problems(module: Any) -> list[str]:
     if not isinstance(project, str) or not project or project != project.lower():
         out.append(f"{name}: PROJECT {project!r} is not a lower-case name")
     links = module.LINKS
-    if not isinstance(links, tuple) or not all(isinstance(u, str) and u.startswith("https://") for u in links):
+    if not isinstance(links, tuple) or not all(
+        isinstance(u, str) and u.startswith("https://") for u in links
+    ):
         out.append(f"{name}: LINKS {links!r} is not a tuple of https URLs")
     elif expected is not None and not links:
         out.append(f"{name}: a mutant needs at least one link")
     if module.FAMILY not in POLICIES:
         out.append(f"{name}: FAMILY {module.FAMILY!r} is not one of {', '.join(POLICIES)}")
     elif getattr(module.DEFAULT_CONFIG, "policy", module.FAMILY) != module.FAMILY:
-        out.append(f"{name}: FAMILY {module.FAMILY!r} but DEFAULT_CONFIG.policy is {module.DEFAULT_CONFIG.policy!r}")
+        out.append(
+            f"{name}: FAMILY {module.FAMILY!r} but DEFAULT_CONFIG.policy is {module.DEFAULT_CONFIG.policy!r}"
+        )
     faults = module.FAULTS
     if not isinstance(faults, tuple) or any(k not in FAULT_KINDS for k in faults):
         out.append(f"{name}: FAULTS {faults!r} is not a tuple of {', '.join(FAULT_KINDS)}")
@@ -142,7 +159,7 @@ def entries(names: Iterable[str] | None = None, problems: list[str] | None = Non
     then the mutants and the benign variants by name.  A module that breaks
     the contract is left out and its problems appended to ``problems``."""
     out = []
-    for name in (list(names) if names is not None else _catalogue_names()):
+    for name in list(names) if names is not None else _catalogue_names():
         try:
             module = importlib.import_module(f"pdproto.models.{name}")
         except Exception as exc:  # a broken module is reported, not fatal
@@ -160,13 +177,23 @@ def entries(names: Iterable[str] | None = None, problems: list[str] | None = Non
             if family != module.FAMILY:
                 config = attrs.evolve(config, policy=family)
             row = name if family == module.FAMILY else f"{name} ({family})"
-            out.append(Entry(
-                name=name, row=row, summary=_first_line(module.__doc__), project=module.PROJECT,
-                links=tuple(module.LINKS), family=family, faults=tuple(module.FAULTS),
-                phase=getattr(module, "PHASE", None), expected=module.EXPECTED,
-                benign=bool(getattr(module, "BENIGN", False)), config=config, module=module,
-                caveat=getattr(module, "CAVEAT", "") or "",
-            ))
+            out.append(
+                Entry(
+                    name=name,
+                    row=row,
+                    summary=_first_line(module.__doc__),
+                    project=module.PROJECT,
+                    links=tuple(module.LINKS),
+                    family=family,
+                    faults=tuple(module.FAULTS),
+                    phase=getattr(module, "PHASE", None),
+                    expected=module.EXPECTED,
+                    benign=bool(getattr(module, "BENIGN", False)),
+                    config=config,
+                    module=module,
+                    caveat=getattr(module, "CAVEAT", "") or "",
+                )
+            )
     out.sort(key=lambda e: (e.name != "reference", e.benign, e.name, e.family != e.module.FAMILY))
     return out
 
@@ -196,9 +223,14 @@ def load_expected(directory: str | None = None) -> dict[str, Any]:
 def _config_keys(config: Any) -> dict[str, Any]:
     """The loader keywords that rebuild ``config`` (for ``model:`` adapters)."""
     return {
-        "mode": config.policy, "requests": config.requests, "blocks": config.blocks,
-        "faults": {k: v for k, v in config.faults.items() if v}, "prefix_cache": config.prefix_cache,
-        "chunks": config.chunks, "layerwise": config.layerwise, "block_size": config.block_size,
+        "mode": config.policy,
+        "requests": config.requests,
+        "blocks": config.blocks,
+        "faults": {k: v for k, v in config.faults.items() if v},
+        "prefix_cache": config.prefix_cache,
+        "chunks": config.chunks,
+        "layerwise": config.layerwise,
+        "block_size": config.block_size,
         "prompt_len": config.prompt_len,
     }
 
@@ -270,7 +302,9 @@ def _replay_verdict(path: str, expected: str | None, events: Sequence[Any]) -> d
     return {"kv_corruption": False, "why": why}
 
 
-def judge(entry: Entry, out_dir: str, *, examples: int = FUZZ_EXAMPLES, seed: int = FUZZ_SEED) -> dict[str, Any]:
+def judge(
+    entry: Entry, out_dir: str, *, examples: int = FUZZ_EXAMPLES, seed: int = FUZZ_SEED
+) -> dict[str, Any]:
     """Run every tool on ``entry``; write its histories into ``out_dir``;
     return its verdicts (the corpus index's entries under ``"histories"``)."""
     from ._audit import audit
@@ -284,7 +318,11 @@ def judge(entry: Entry, out_dir: str, *, examples: int = FUZZ_EXAMPLES, seed: in
     t0 = time.perf_counter()
     result = explore(model)
     found = result.failures
-    check: dict[str, Any] = {"ok": result.ok, "states": result.states, "seconds": round(time.perf_counter() - t0, 2)}
+    check: dict[str, Any] = {
+        "ok": result.ok,
+        "states": result.states,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
     histories: list[tuple[str, dict[str, Any]]] = []
     if found:
         cx = found[0]
@@ -304,7 +342,8 @@ def judge(entry: Entry, out_dir: str, *, examples: int = FUZZ_EXAMPLES, seed: in
     t0 = time.perf_counter()
     fz = fuzz(model, examples=examples, seed=seed, database=None, name=entry.name, expected=entry.expected)
     verdict["fuzz"] = {
-        "ok": fz.ok, "invariant": fz.violation.invariant if fz.violation else None,
+        "ok": fz.ok,
+        "invariant": fz.violation.invariant if fz.violation else None,
         "examples": fz.counters.get("found_at_example") if fz.violation else fz.counters.get("examples"),
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -316,8 +355,12 @@ def judge(entry: Entry, out_dir: str, *, examples: int = FUZZ_EXAMPLES, seed: in
         first = au.violations[0] if au.violations else None
         got = {"invariant": first.invariant if first else None, "line": first.line if first else None}
         rec: dict[str, Any] = {
-            "model": entry.name, "family": entry.family, "expected": want["invariant"], "line": want["line"],
-            "audit": got, "config": _config_keys(info.config),
+            "model": entry.name,
+            "family": entry.family,
+            "expected": want["invariant"],
+            "line": want["line"],
+            "audit": got,
+            "config": _config_keys(info.config),
         }
         events = [e for _, e in read_events(path)]
         rec["replay"] = _replay_verdict(path, want["invariant"], events)
@@ -349,9 +392,16 @@ def _cells(entry: Entry, v: Mapping[str, Any]) -> dict[str, str]:
     c, f = v["check"], v["fuzz"]
     hist = list(v["histories"].values())
     if entry.correct:
-        check = f"clean ({c['states']:,} states)" if c["ok"] else (
-            f"**{c.get('invariant') or 'unmet ' + ', '.join(c.get('unmet_sometimes', []))}**")
-        fuzz = f"clean ({f['examples']:,} examples)" if f["ok"] else f"**{f['invariant']}** at example {f['examples']}"
+        check = (
+            f"clean ({c['states']:,} states)"
+            if c["ok"]
+            else (f"**{c.get('invariant') or 'unmet ' + ', '.join(c.get('unmet_sometimes', []))}**")
+        )
+        fuzz = (
+            f"clean ({f['examples']:,} examples)"
+            if f["ok"]
+            else f"**{f['invariant']}** at example {f['examples']}"
+        )
         bad = [h for h in hist if h["audit"]["invariant"] is not None]
         audit = f"clean ({len(hist)} samples)" if not bad else f"**{bad[0]['audit']['invariant']}**"
         kv = [h for h in hist if h["replay"]["kv_corruption"]]
@@ -363,8 +413,11 @@ def _cells(entry: Entry, v: Mapping[str, Any]) -> dict[str, str]:
         check = f"`{c['invariant']}`, {c['length']} steps" if c.get("invariant") else "**missed**"
         if c.get("invariant") and c["invariant"] != entry.expected:
             check = f"**{c['invariant']}** (expected {entry.expected}), {c['length']} steps"
-        fuzz = f"`{f['invariant']}` at example {f['examples']}" if f["invariant"] else \
-            f"**missed** in {f['examples']:,}"
+        fuzz = (
+            f"`{f['invariant']}` at example {f['examples']}"
+            if f["invariant"]
+            else f"**missed** in {f['examples']:,}"
+        )
         if f["invariant"] and f["invariant"] != entry.expected:
             fuzz = f"**{f['invariant']}** at example {f['examples']}"
         if h is None:
@@ -372,31 +425,52 @@ def _cells(entry: Entry, v: Mapping[str, Any]) -> dict[str, str]:
         else:
             a = h["audit"]
             same = a["invariant"] == c.get("invariant") and a["line"] == c.get("line")
-            audit = f"same, line {a['line']}" if same else f"**{a['invariant']} at line {a['line']}** " \
-                f"(check: line {c.get('line')})"
+            audit = (
+                f"same, line {a['line']}"
+                if same
+                else f"**{a['invariant']} at line {a['line']}** (check: line {c.get('line')})"
+            )
             r = h["replay"]
             replay = "kv-corruption" if r["kv_corruption"] else f"no: {r['why']}"
     conf = [h.get("conform") for h in hist]
     if not conf or any(x is None for x in conf):
         conform = "n/a (conform not built)"
     elif entry.correct:
-        conform = "conforms" if all(x["ok"] for x in conf) else \
-            "; ".join(f"deviates at line {x['line']}" for x in conf if not x["ok"])
+        conform = (
+            "conforms"
+            if all(x["ok"] for x in conf)
+            else "; ".join(f"deviates at line {x['line']}" for x in conf if not x["ok"])
+        )
     else:
         x = conf[0]
         conform = "conforms" if x["ok"] else f"deviates at line {x['line']}"
     return {"check": check, "fuzz": fuzz, "audit": audit, "replay": replay, "conform": conform}
 
 
-COLUMNS = ("#", "entry", "bug", "project", "link", "family", "faults", "expected", "check", "fuzz", "audit",
-           "replay (torch)", "conform")
+COLUMNS = (
+    "#",
+    "entry",
+    "bug",
+    "project",
+    "link",
+    "family",
+    "faults",
+    "expected",
+    "check",
+    "fuzz",
+    "audit",
+    "replay (torch)",
+    "conform",
+)
 
 
 def _esc(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def render(rows: Sequence[Entry], verdicts: Mapping[str, Mapping[str, Any]], problems: Sequence[str] = ()) -> str:
+def render(
+    rows: Sequence[Entry], verdicts: Mapping[str, Mapping[str, Any]], problems: Sequence[str] = ()
+) -> str:
     """docs/bugs.md: one row per entry, then the totals."""
     mutants = [e for e in rows if not e.correct]
     benign = [e for e in rows if e.benign]
@@ -430,8 +504,21 @@ def render(rows: Sequence[Entry], verdicts: Mapping[str, Mapping[str, Any]], pro
         if e.phase:
             faults += f" ({e.phase})"
         bug = e.summary + (f" *Caveat:* {e.caveat}" if e.caveat else "")
-        cells = [str(i), f"`{e.row}`", bug, e.project, _link_cell(e.links), e.family, faults, expected,
-                 c["check"], c["fuzz"], c["audit"], c["replay"], c["conform"]]
+        cells = [
+            str(i),
+            f"`{e.row}`",
+            bug,
+            e.project,
+            _link_cell(e.links),
+            e.family,
+            faults,
+            expected,
+            c["check"],
+            c["fuzz"],
+            c["audit"],
+            c["replay"],
+            c["conform"],
+        ]
         lines.append("| " + " | ".join(_esc(x) for x in cells) + " |")
     lines += ["", "## Totals", ""]
     lines += _totals(mutants, verdicts)
@@ -471,12 +558,19 @@ def _totals(mutants: Sequence[Entry], verdicts: Mapping[str, Mapping[str, Any]])
     phases = collections.Counter(e.phase for e in mutants if e.phase and "cancel" in e.faults)
     families = collections.Counter(e.family for e in mutants)
     agree = sum(1 for e in mutants if _agrees(e, verdicts[e.row]))
-    kv = sum(1 for e in mutants if any(h["replay"]["kv_corruption"] for h in verdicts[e.row]["histories"].values()))
-    out = [f"- {len(mutants)} mutants; check, fuzz and audit agree on the expected invariant for {agree}; "
-           f"the torch replay finds kv-corruption in {kv} counterexamples.", ""]
+    kv = sum(
+        1 for e in mutants if any(h["replay"]["kv_corruption"] for h in verdicts[e.row]["histories"].values())
+    )
+    out = [
+        f"- {len(mutants)} mutants; check, fuzz and audit agree on the expected invariant for {agree}; "
+        f"the torch replay finds kv-corruption in {kv} counterexamples.",
+        "",
+    ]
     out += _count_table("project", dict(sorted(projects.items(), key=lambda kv: (-kv[1], kv[0]))))
     out += _count_table("invariant", {k: invariants.get(k, 0) for k in INVARIANTS})
-    out += _count_table("fault kind", {**{k: faults.get(k, 0) for k in FAULT_KINDS}, "(none)": faults.get("(none)", 0)})
+    out += _count_table(
+        "fault kind", {**{k: faults.get(k, 0) for k in FAULT_KINDS}, "(none)": faults.get("(none)", 0)}
+    )
     out += [UNCOVERED_WHY[k] + "\n" for k in FAULT_KINDS if not faults.get(k) and k in UNCOVERED_WHY]
     out += _count_table("cancel phase", {p: phases.get(p, 0) for p in PHASES})
     out += _count_table("family", {k: families.get(k, 0) for k in POLICIES})
@@ -487,16 +581,26 @@ def _agrees(e: Entry, v: Mapping[str, Any]) -> bool:
     c, f = v["check"], v["fuzz"]
     hist = list(v["histories"].values())
     return bool(
-        c.get("invariant") == e.expected and f["invariant"] == e.expected and hist
-        and hist[0]["audit"]["invariant"] == e.expected and hist[0]["audit"]["line"] == c.get("line")
+        c.get("invariant") == e.expected
+        and f["invariant"] == e.expected
+        and hist
+        and hist[0]["audit"]["invariant"] == e.expected
+        and hist[0]["audit"]["line"] == c.get("line")
     )
 
 
 # -- the generator ----------------------------------------------------------------
 
 
-def _judged(verdicts: dict[str, Any], old: dict[str, Any], row: str, verdict: dict[str, Any], seconds: float,
-            corpus: str, log: Any) -> None:
+def _judged(
+    verdicts: dict[str, Any],
+    old: dict[str, Any],
+    row: str,
+    verdict: dict[str, Any],
+    seconds: float,
+    corpus: str,
+    log: Any,
+) -> None:
     """Record one entry's verdict, on disk too (an interrupted run keeps what it judged)."""
     verdicts[row] = old[row] = verdict
     _dump(os.path.join(corpus, "VERDICTS.json"), old)
@@ -511,8 +615,15 @@ def _judge_row(row: str, corpus: str) -> tuple[str, dict[str, Any], float]:
     return row, judge(entry, corpus), time.perf_counter() - t0
 
 
-def generate(out: str | None, corpus: str | None = None, *, fresh: bool = False, only: Sequence[str] = (),
-             log: Any = None, jobs: int = 1) -> tuple[str, list[str]]:
+def generate(
+    out: str | None,
+    corpus: str | None = None,
+    *,
+    fresh: bool = False,
+    only: Sequence[str] = (),
+    log: Any = None,
+    jobs: int = 1,
+) -> tuple[str, list[str]]:
     """Judge every entry (reusing the verdicts of unchanged ones unless
     ``fresh``; ``only``: judge just those, keep the rest), rewrite the
     corpus and its index, and return docs/bugs.md's text (written to
@@ -530,7 +641,9 @@ def generate(out: str | None, corpus: str | None = None, *, fresh: bool = False,
     todo = []
     for e in rows:
         prev = old.get(e.row)
-        keep = prev is not None and (not fresh and (prev.get("key") == _key(e) or (only and e.name not in only)))
+        keep = prev is not None and (
+            not fresh and (prev.get("key") == _key(e) or (only and e.name not in only))
+        )
         keep = keep and all(os.path.exists(os.path.join(corpus, n)) for n in prev["histories"])
         if keep:
             verdicts[e.row] = prev
@@ -569,8 +682,10 @@ def _dump(path: str, obj: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdproto.drivers._catalogue",
-                                description="Regenerate the corpus and docs/bugs.md from models/.")
+    p = argparse.ArgumentParser(
+        prog="python -m pdproto.drivers._catalogue",
+        description="Regenerate the corpus and docs/bugs.md from models/.",
+    )
     p.add_argument("--write", metavar="FILE", help="write the catalogue here (e.g. docs/bugs.md)")
     p.add_argument("--corpus", metavar="DIR", help="the corpus directory (default: models/corpus)")
     p.add_argument("--fresh", action="store_true", help="recompute every entry's verdicts")
@@ -583,8 +698,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         entries(problems=problems)
         print("\n".join(problems) or "no contract problems")
         return 1 if problems else 0
-    text, problems = generate(args.write, args.corpus, fresh=args.fresh, only=args.only, log=sys.stderr,
-                              jobs=args.jobs)
+    text, problems = generate(
+        args.write, args.corpus, fresh=args.fresh, only=args.only, log=sys.stderr, jobs=args.jobs
+    )
     for line in problems:
         print(f"contract problem: {line}", file=sys.stderr)
     if args.write is None:
@@ -616,8 +732,15 @@ class CorpusCase:
     skipped: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"history": self.history, "model": self.model, "expected": self.expected, "line": self.line,
-                "ok": self.ok, "got": self.got, "skipped": self.skipped}
+        return {
+            "history": self.history,
+            "model": self.model,
+            "expected": self.expected,
+            "line": self.line,
+            "ok": self.ok,
+            "got": self.got,
+            "skipped": self.skipped,
+        }
 
 
 def run_corpus(directory: str | None = None, adapter: str | None = None) -> list[CorpusCase]:
@@ -639,8 +762,9 @@ def run_corpus(directory: str | None = None, adapter: str | None = None) -> list
     try:
         index = load_expected(directory)
     except FileNotFoundError:
-        raise UsageError("corpus directory", directory, f"a directory holding {EXPECTED_FILE} and its histories") \
-            from None
+        raise UsageError(
+            "corpus directory", directory, f"a directory holding {EXPECTED_FILE} and its histories"
+        ) from None
     except ValueError as exc:
         raise UsageError(f"{os.path.join(directory, EXPECTED_FILE)}", str(exc), "a JSON object") from None
     out = []
@@ -659,7 +783,8 @@ def run_corpus(directory: str | None = None, adapter: str | None = None) -> list
                 first = found[0] if found else None
                 got = "clean" if first is None else f"{first.invariant} at line {first.line}"
                 ok = (first is None and want is None) or (
-                    first is not None and first.invariant == want and first.line == line)
+                    first is not None and first.invariant == want and first.line == line
+                )
                 out.append(CorpusCase(name, rec.get("model", ""), want, line, ok, got))
                 continue
             engine = shared
@@ -667,8 +792,17 @@ def run_corpus(directory: str | None = None, adapter: str | None = None) -> list
                 engine = load_adapter(adapter, **rec.get("config", {}))
             family = getattr(getattr(engine, "header", None), "policy", None)
             if family is not None and family != rec.get("family", family):
-                out.append(CorpusCase(name, rec.get("model", ""), want, line, True, "-",
-                                      skipped=f"a {rec['family']} history; the adapter is {family}"))
+                out.append(
+                    CorpusCase(
+                        name,
+                        rec.get("model", ""),
+                        want,
+                        line,
+                        True,
+                        "-",
+                        skipped=f"a {rec['family']} history; the adapter is {family}",
+                    )
+                )
                 continue
             try:
                 res, violations = _reenact(path, engine, replay_on_adapter)
@@ -680,8 +814,11 @@ def run_corpus(directory: str | None = None, adapter: str | None = None) -> list
                 v = violations[0]
                 got = f"{v.invariant} at line {v.line}"
             else:
-                got = "no invariant broken" + (f" ({len(res.divergences)} divergences, {refused} refused)"
-                                               if res.divergences else ", followed it all")
+                got = "no invariant broken" + (
+                    f" ({len(res.divergences)} divergences, {refused} refused)"
+                    if res.divergences
+                    else ", followed it all"
+                )
             out.append(CorpusCase(name, rec.get("model", ""), want, line, not violations, got))
     finally:
         if shared is not None:
@@ -731,8 +868,11 @@ def _reenact(path: str, engine: Any, replay_on_adapter: Any) -> tuple[Any, list[
         monitor.feed(e, line)
     monitor.line = line
     monitor.finish()
-    found = list(res.violations) + [v for v in monitor.violations if v.invariant in ("leak", "stuck")
-                                    or v.line > 1 + len(res.engine_events)]
+    found = list(res.violations) + [
+        v
+        for v in monitor.violations
+        if v.invariant in ("leak", "stuck") or v.line > 1 + len(res.engine_events)
+    ]
     return res, found
 
 
@@ -748,12 +888,16 @@ def list_rows(models: Sequence[tuple[str, str | None, str]]) -> list[dict[str, A
             module = None
         family = getattr(module, "FAMILY", "")
         families = getattr(module, "FAMILIES", None)
-        out.append({
-            "model": name, "expected": expected, "summary": summary,
-            "project": getattr(module, "PROJECT", ""),
-            "family": ", ".join(families) if families else family,
-            "faults": list(getattr(module, "FAULTS", ())),
-            "links": list(getattr(module, "LINKS", ())),
-            "benign": bool(getattr(module, "BENIGN", False)),
-        })
+        out.append(
+            {
+                "model": name,
+                "expected": expected,
+                "summary": summary,
+                "project": getattr(module, "PROJECT", ""),
+                "family": ", ".join(families) if families else family,
+                "faults": list(getattr(module, "FAULTS", ())),
+                "links": list(getattr(module, "LINKS", ())),
+                "benign": bool(getattr(module, "BENIGN", False)),
+            }
+        )
     return out

@@ -40,13 +40,14 @@ The method (docs/conformance.md says it in full, with its limits):
 from __future__ import annotations
 
 import os
-from typing import Any, Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
 
 import attrs
 
 from .._errors import UsageError
 from ..protocol._config import FAULT_KINDS, ModelConfig
-from ..spec._events import EVENT_TYPES, Event, Free, Restart
+from ..spec._events import EVENT_TYPES, Event, Restart
 from ..spec._history import HistoryHeader, open_history
 from ..spec._monitor import Monitor, Violation
 
@@ -62,7 +63,9 @@ SHOWN_EVENTS = 12
 _ALL_KINDS = tuple(EVENT_TYPES)
 # fields matched exactly, and fields ignored (data values: the monitor judges them)
 _EXACT = frozenset(("prompt_len", "processed_len", "position", "layers", "tokens"))
-_IGNORED = frozenset(("first_token", "input_token", "output_token", "reason", "incarnation", "request", "extra"))
+_IGNORED = frozenset(
+    ("first_token", "input_token", "output_token", "reason", "incarnation", "request", "extra")
+)
 _WORKER_FIELDS = {"blocks": "worker", "src_blocks": "src", "dst_blocks": "dst"}
 _ID_FIELDS = {"ticket": "t", "transfer": "x", "worker": "w", "src": "w", "dst": "w"}
 
@@ -129,8 +132,11 @@ class ConformanceResult:
             "expected": list(self.expected),
             "renaming": dict(self.renaming),
             "bounded": self.bounded,
-            "monitor": {"ok": self.monitor_ok, "violations": [v.to_dict() for v in self.violations],
-                        "not_judged": list(self.not_judged)},
+            "monitor": {
+                "ok": self.monitor_ok,
+                "violations": [v.to_dict() for v in self.violations],
+                "not_judged": list(self.not_judged),
+            },
         }
 
 
@@ -436,7 +442,9 @@ def _dense_incarnations(s: Any) -> Any:
     if new_inc == inc:
         return s
     new_reqs = tuple(
-        q._replace(pinc=ranks[q.p][q.pinc] if q.p >= 0 else q.pinc, dinc=ranks[q.d][q.dinc] if q.d >= 0 else q.dinc)
+        q._replace(
+            pinc=ranks[q.p][q.pinc] if q.p >= 0 else q.pinc, dinc=ranks[q.d][q.dinc] if q.d >= 0 else q.dinc
+        )
         for q in reqs
     )
     new_msgs = tuple(m._replace(inc=ranks[m.frm][m.inc]) for m in msgs)
@@ -579,8 +587,15 @@ def _max_new(sh: _Shape, block_size: int | None = None) -> int:
 
 
 class _Failure(Exception):
-    def __init__(self, line: int | None, request: str | None, event: Event | None, reason: str,
-                 cfgs: list | None = None, proj: _Proj | None = None) -> None:
+    def __init__(
+        self,
+        line: int | None,
+        request: str | None,
+        event: Event | None,
+        reason: str,
+        cfgs: list | None = None,
+        proj: _Proj | None = None,
+    ) -> None:
         self.line, self.request, self.event, self.reason = line, request, event, reason
         self.cfgs, self.proj = cfgs or [], proj
 
@@ -599,8 +614,16 @@ class _Request:
 
 
 class _Search:
-    def __init__(self, build: Any, base: ModelConfig, shapes: Mapping[str, _Shape], observed: frozenset[str],
-                 header: HistoryHeader, max_silent: int, max_frontier: int) -> None:
+    def __init__(
+        self,
+        build: Any,
+        base: ModelConfig,
+        shapes: Mapping[str, _Shape],
+        observed: frozenset[str],
+        header: HistoryHeader,
+        max_silent: int,
+        max_frontier: int,
+    ) -> None:
         self.build = build
         self.base = base
         self.shapes = shapes
@@ -635,8 +658,13 @@ class _Search:
         proj = self.models.get(key)
         if proj is None:
             per = max(_ceil(L, bs), _ceil(L + M - 1, bs))
-            config = attrs.evolve(self.base, prompt_len=L, max_new_tokens=M, blocks=3 * per + 2,
-                                  chunks=min(self.base.chunks, L) if not self.base.layerwise else self.base.chunks)
+            config = attrs.evolve(
+                self.base,
+                prompt_len=L,
+                max_new_tokens=M,
+                blocks=3 * per + 2,
+                chunks=min(self.base.chunks, L) if not self.base.layerwise else self.base.chunks,
+            )
             proj = self.models[key] = _Proj(self.build(config), self.observed, self.max_silent)
         return proj
 
@@ -696,7 +724,9 @@ class _Search:
             bound = c.ren.back.get(e.worker)
             for s in proj.closure(c.state):
                 took = False
-                base = c.ren if s is c.state or not proj.handoff else _unbind_blocks(c.ren, proj.live_blocks(s))
+                base = (
+                    c.ren if s is c.state or not proj.handoff else _unbind_blocks(c.ren, proj.live_blocks(s))
+                )
                 for a, ns, obs in proj.succ(s):
                     if a.kind != "restart":
                         continue
@@ -728,9 +758,14 @@ class _Search:
                 other = [r for r in h if r != name]
                 if other and not (shared and all(v[1] for v in h.values())):
                     r = other[0]
-                    what = "fenced (a transfer into the restarted worker still writes it)" if r.startswith(
-                        "\x00") else f"still held by request {r!r} (line {h[r][0]})"
-                    raise _Failure(line, name, e, f"block {b} on {w} is {what}: the model allocates free blocks only")
+                    what = (
+                        "fenced (a transfer into the restarted worker still writes it)"
+                        if r.startswith("\x00")
+                        else f"still held by request {r!r} (line {h[r][0]})"
+                    )
+                    raise _Failure(
+                        line, name, e, f"block {b} on {w} is {what}: the model allocates free blocks only"
+                    )
                 h[name] = (line, shared)
             else:
                 holder[(w, b)] = {name: (line, shared)}
@@ -835,11 +870,17 @@ def _summary(proj: _Proj, c: _Cfg, request: str) -> str:
                 head += f", {q.end.name.lower()}"
             p, d = wn[q.p], wn[q.d]
             if q.src:
-                head += f", source on {_real(ren, ('w', p), p)} [" + ", ".join(
-                    _real(ren, ("b", p, b), b) for b in q.src) + "]"
+                head += (
+                    f", source on {_real(ren, ('w', p), p)} ["
+                    + ", ".join(_real(ren, ("b", p, b), b) for b in q.src)
+                    + "]"
+                )
             if q.dst:
-                head += f", target on {_real(ren, ('w', d), d)} [" + ", ".join(
-                    _real(ren, ("b", d, b), b) for b in q.dst) + "]"
+                head += (
+                    f", target on {_real(ren, ('w', d), d)} ["
+                    + ", ".join(_real(ren, ("b", d, b), b) for b in q.dst)
+                    + "]"
+                )
             if q.ndec:
                 head += f", {q.ndec} decode(s)"
             bits.append(head)
@@ -941,7 +982,9 @@ def _observed_kinds(observed: Iterable[str] | None, header: HistoryHeader) -> fr
     kinds = frozenset(observed)
     unknown = sorted(k for k in kinds if k not in EVENT_TYPES)
     if unknown:
-        raise UsageError("observed kind", unknown[0], "event kinds of the history format: " + ", ".join(_ALL_KINDS))
+        raise UsageError(
+            "observed kind", unknown[0], "event kinds of the history format: " + ", ".join(_ALL_KINDS)
+        )
     return kinds
 
 
@@ -991,8 +1034,16 @@ def conform(
     layerwise = seen_layers if layerwise is None else layerwise
     if layerwise and chunks < 2:
         layerwise = False
-    base = ModelConfig(policy=policy, requests=1, blocks=4, block_size=bs, prompt_len=max(chunks, 1),
-                       faults={k: _UNLIMITED for k in FAULT_KINDS}, chunks=chunks, layerwise=layerwise)
+    base = ModelConfig(
+        policy=policy,
+        requests=1,
+        blocks=4,
+        block_size=bs,
+        prompt_len=max(chunks, 1),
+        faults={k: _UNLIMITED for k in FAULT_KINDS},
+        chunks=chunks,
+        layerwise=layerwise,
+    )
     search = _Search(build, base, shapes, kinds, header, max_silent, max_frontier)
     monitor = _monitor(header, policy, complete, observed, kinds)
     failure: _Failure | None = None
@@ -1009,20 +1060,37 @@ def conform(
         for rq in search.reqs.values():
             whole = [c for c in rq.cfgs if not c.pending]
             if not whole:
-                failure = _Failure(last_line, rq.name, None,
-                                   "end of history: a model step of this request was seen in part only",
-                                   rq.cfgs, rq.proj)
+                failure = _Failure(
+                    last_line,
+                    rq.name,
+                    None,
+                    "end of history: a model step of this request was seen in part only",
+                    rq.cfgs,
+                    rq.proj,
+                )
                 break
             if not any(rq.proj.quiet(c.state) for c in whole):
-                failure = _Failure(last_line, rq.name, None,
-                                   "end of history: the model cannot be quiet here without a step the history "
-                                   "does not show", rq.cfgs, rq.proj)
+                failure = _Failure(
+                    last_line,
+                    rq.name,
+                    None,
+                    "end of history: the model cannot be quiet here without a step the history does not show",
+                    rq.cfgs,
+                    rq.proj,
+                )
                 break
     bounded = search.bounded or any(p.bounded for p in search.models.values())
-    common = dict(events=len(events), requests=len(shapes), model=name, policy=policy,
-                  observed=tuple(k for k in _ALL_KINDS if k in kinds), complete=complete,
-                  violations=tuple(monitor.violations), bounded=bounded,
-                  not_judged=tuple(entry[0] for entry in getattr(monitor, "not_judged", ())))
+    common = dict(
+        events=len(events),
+        requests=len(shapes),
+        model=name,
+        policy=policy,
+        observed=tuple(k for k in _ALL_KINDS if k in kinds),
+        complete=complete,
+        violations=tuple(monitor.violations),
+        bounded=bounded,
+        not_judged=tuple(entry[0] for entry in getattr(monitor, "not_judged", ())),
+    )
     if failure is None:
         return ConformanceResult(ok=True, **common)  # type: ignore[arg-type]
     states: list[str] = []
@@ -1041,14 +1109,22 @@ def conform(
         expected = _expected(proj, failure.cfgs, failure.request or "?")[:SHOWN_EVENTS]
         renaming = _renaming(failure.cfgs[0].ren)
     return ConformanceResult(
-        ok=False, line=failure.line, request=failure.request,
-        event=failure.event.to_dict() if failure.event is not None else None, reason=failure.reason,
-        states=tuple(states), states_total=total, expected=tuple(expected), renaming=renaming,
+        ok=False,
+        line=failure.line,
+        request=failure.request,
+        event=failure.event.to_dict() if failure.event is not None else None,
+        reason=failure.reason,
+        states=tuple(states),
+        states_total=total,
+        expected=tuple(expected),
+        renaming=renaming,
         **common,  # type: ignore[arg-type]
     )
 
 
-def _monitor(header: HistoryHeader, policy: str, complete: bool, observed: Any, kinds: frozenset[str]) -> Monitor:
+def _monitor(
+    header: HistoryHeader, policy: str, complete: bool, observed: Any, kinds: frozenset[str]
+) -> Monitor:
     """The monitor of the same history: partial as the header says, or as
     ``observed`` overrides it."""
     if observed is None:
@@ -1065,7 +1141,12 @@ def _step(search: _Search, e: Event, line: int) -> None:
         _restart(search, e, line)  # type: ignore[arg-type]
         return
     name = getattr(e, "request", None)
-    if name is None and ev in ("transfer_read_done", "transfer_write_done", "transfer_failed", "transfer_abort"):
+    if name is None and ev in (
+        "transfer_read_done",
+        "transfer_write_done",
+        "transfer_failed",
+        "transfer_abort",
+    ):
         name = search.xfer_req.get(e.transfer)  # type: ignore[attr-defined]
     elif ev == "free" and name is None:
         name = search.owner(e.worker, e.blocks)  # type: ignore[attr-defined]
@@ -1102,8 +1183,13 @@ def _adopt(search: _Search, e: Event, line: int) -> str:
             if hasattr(e, "transfer"):
                 search.xfer_req[e.transfer] = rq.name  # type: ignore[attr-defined]
             return rq.name
-    raise _Failure(line, None, e, "no request's behaviour explains this event (it names no request, and "
-                   "no observed event tied its transfer or blocks to one)")
+    raise _Failure(
+        line,
+        None,
+        e,
+        "no request's behaviour explains this event (it names no request, and "
+        "no observed event tied its transfer or blocks to one)",
+    )
 
 
 def _restart(search: _Search, e: Restart, line: int) -> None:
@@ -1116,8 +1202,14 @@ def _restart(search: _Search, e: Restart, line: int) -> None:
             continue
         cfgs = search.restart(rq, e, line)
         if not cfgs:
-            raise _Failure(line, rq.name, e, "no behaviour of the model explains this restart for this request",
-                           rq.cfgs, rq.proj)
+            raise _Failure(
+                line,
+                rq.name,
+                e,
+                "no behaviour of the model explains this restart for this request",
+                rq.cfgs,
+                rq.proj,
+            )
         search.commit(rq, cfgs, line)
     search.restart_pool(w)
 

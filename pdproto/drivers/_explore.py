@@ -31,7 +31,8 @@ Soundness of symmetry reduction (see docs/modeling.md):
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .._errors import UsageError
 from ..protocol._model import Renaming
@@ -124,32 +125,60 @@ def explore(
         raise UsageError("fingerprint with a state graph", True, "exact mode (a graph needs the states)")
     if max_states is not None and (type(max_states) is not int or max_states < 1):
         raise UsageError("max_states", max_states, "an integer >= 1")
-    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
-                                    or not max_seconds > 0):
+    if max_seconds is not None and (
+        isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0
+    ):
         raise UsageError("max_seconds", max_seconds, "a number of seconds > 0")
     parallel = workers is not None or (ray is not None and ray is not False)
     if workers is not None and (type(workers) is not int or workers < 1):
         raise UsageError("workers", workers, "an integer >= 1")
     if parallel and backend is not None:
-        raise UsageError("a parallel search with a data backend", "backend", "a serial search (no workers, no ray)")
+        raise UsageError(
+            "a parallel search with a data backend", "backend", "a serial search (no workers, no ray)"
+        )
     if parallel and keep_graph:
-        raise UsageError("a parallel search with a state graph", "keep_graph", "a serial search (no workers, no ray)")
+        raise UsageError(
+            "a parallel search with a state graph", "keep_graph", "a serial search (no workers, no ray)"
+        )
     template = None
     if monitor:
-        template = monitor_factory() if monitor_factory is not None else Monitor.from_header(
-            header, complete=True)
+        template = (
+            monitor_factory() if monitor_factory is not None else Monitor.from_header(header, complete=True)
+        )
     if parallel:
         return _explore_parallel(
-            model, workers=workers, ray=ray, header=header, template=template, max_states=max_states,
-            max_seconds=max_seconds, symmetry=symmetry, fingerprint=fingerprint, progress=progress,
-            progress_interval=progress_interval, stop_on_first=stop_on_first, check_deadlock=check_deadlock,
-            intern=intern)
+            model,
+            workers=workers,
+            ray=ray,
+            header=header,
+            template=template,
+            max_states=max_states,
+            max_seconds=max_seconds,
+            symmetry=symmetry,
+            fingerprint=fingerprint,
+            progress=progress,
+            progress_interval=progress_interval,
+            stop_on_first=stop_on_first,
+            check_deadlock=check_deadlock,
+            intern=intern,
+        )
     return _Search(
-        model, header=header, template=template, max_states=max_states, max_seconds=max_seconds,
+        model,
+        header=header,
+        template=template,
+        max_states=max_states,
+        max_seconds=max_seconds,
         symmetry=symmetry,
-        fingerprint=fingerprint, progress=progress, progress_interval=progress_interval,
-        keep_graph=keep_graph, graph_limit=graph_limit, stop_on_first=stop_on_first,
-        check_deadlock=check_deadlock, freeze_gc=freeze_gc, intern=intern, backend=backend,
+        fingerprint=fingerprint,
+        progress=progress,
+        progress_interval=progress_interval,
+        keep_graph=keep_graph,
+        graph_limit=graph_limit,
+        stop_on_first=stop_on_first,
+        check_deadlock=check_deadlock,
+        freeze_gc=freeze_gc,
+        intern=intern,
+        backend=backend,
     ).run()
 
 
@@ -160,6 +189,10 @@ def _explore_parallel(model: Any, *, workers: int | None, ray: bool | str | None
     if ray is not None and ray is not False:
         from ._ray import ray_pool_factory
 
-        return explore_parallel(model, pool_factory=ray_pool_factory(None if ray is True else ray),
-                                workers=workers if workers is not None else 2, **kw)
+        return explore_parallel(
+            model,
+            pool_factory=ray_pool_factory(None if ray is True else ray),
+            workers=workers if workers is not None else 2,
+            **kw,
+        )
     return explore_parallel(model, pool_factory=ProcessPool, workers=workers, **kw)

@@ -13,7 +13,8 @@ import contextlib
 import io
 import os
 import time
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -40,8 +41,14 @@ class HandoffFailure(AssertionError):
     written to (None when no ``out`` was given).
     """
 
-    def __init__(self, violation: Violation, trace: Sequence[tuple[str, Action, tuple[Event, ...]]],
-                 history: str | None, events: Sequence[Event] = (), header: Any = None) -> None:
+    def __init__(
+        self,
+        violation: Violation,
+        trace: Sequence[tuple[str, Action, tuple[Event, ...]]],
+        history: str | None,
+        events: Sequence[Event] = (),
+        header: Any = None,
+    ) -> None:
         self.violation = violation
         self.trace = tuple(trace)
         self.history = history
@@ -199,8 +206,7 @@ def reachable_states(model: Any, max_states: int = 2_000_000) -> int | None:
     not count."""
     from ._explore import explore
 
-    result = explore(model, monitor=False, check_deadlock=False, max_states=max_states,
-                     stop_on_first=False)
+    result = explore(model, monitor=False, check_deadlock=False, max_states=max_states, stop_on_first=False)
     if result.truncated or not result.complete:
         return None
     return result.states
@@ -261,8 +267,13 @@ def _failure_dict(failure: HandoffFailure) -> dict[str, Any]:
         "message": v.message,
         "witness": list(v.witness),
         "trace": [
-            {"step": i, "actor": actor, "action": str(action), "fault": action.fault,
-             "events": [e.to_dict() for e in events]}
+            {
+                "step": i,
+                "actor": actor,
+                "action": str(action),
+                "fault": action.fault,
+                "events": [e.to_dict() for e in events],
+            }
             for i, (actor, action, events) in enumerate(failure.trace, 1)
         ],
     }
@@ -315,20 +326,56 @@ def fuzz(
     if (workers is not None and workers > 1) or ray is not False:
         from ._parallel_fuzz import fuzz_parallel
 
-        return fuzz_parallel(model, dict(
-            examples=examples, steps=steps, seed=seed, out=out_path, database=database, backend=backend,
-            coverage_states=coverage_states, name=name, expected=expected, stats=stats, explain=explain,
-        ), workers=workers, ray=ray)
+        return fuzz_parallel(
+            model,
+            dict(
+                examples=examples,
+                steps=steps,
+                seed=seed,
+                out=out_path,
+                database=database,
+                backend=backend,
+                coverage_states=coverage_states,
+                name=name,
+                expected=expected,
+                stats=stats,
+                explain=explain,
+            ),
+            workers=workers,
+            ray=ray,
+        )
     if coverage_states is not None:
         stats.reachable = reachable_states(model, max_states=coverage_states)
-    return fuzz_serial(model, examples=examples, steps=steps, seed=seed, out=out_path, database=database,
-                       backend=backend, name=name, expected=expected, stats=stats, explain=explain)
+    return fuzz_serial(
+        model,
+        examples=examples,
+        steps=steps,
+        seed=seed,
+        out=out_path,
+        database=database,
+        backend=backend,
+        name=name,
+        expected=expected,
+        stats=stats,
+        explain=explain,
+    )
 
 
-def fuzz_serial(model: Any, *, examples: int, steps: int, seed: int | None, out: str | None,
-                database: str | None, backend: Callable[[Any], Any] | None, name: str,
-                expected: str | None, stats: FuzzStats, explain: bool,
-                seeded_database: bool = False) -> FuzzResult:
+def fuzz_serial(
+    model: Any,
+    *,
+    examples: int,
+    steps: int,
+    seed: int | None,
+    out: str | None,
+    database: str | None,
+    backend: Callable[[Any], Any] | None,
+    name: str,
+    expected: str | None,
+    stats: FuzzStats,
+    explain: bool,
+    seeded_database: bool = False,
+) -> FuzzResult:
     """The serial run of :func:`fuzz` (its arguments checked, ``name`` and
     ``stats`` set).  ``seeded_database``: a seeded run still uses the
     database (a worker of a parallel run; see
@@ -339,9 +386,20 @@ def fuzz_serial(model: Any, *, examples: int, steps: int, seed: int | None, out:
     phases: dict[str, float] = {}
     t0, c0 = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(io.StringIO()):
-        failure = run_machine(model, examples=examples, steps=steps, seed=seed, out=out,
-                              database=database, identity=identity, backend=backend, stats=stats,
-                              explain=explain, phase_seconds=phases, seeded_database=seeded_database)
+        failure = run_machine(
+            model,
+            examples=examples,
+            steps=steps,
+            seed=seed,
+            out=out,
+            database=database,
+            identity=identity,
+            backend=backend,
+            stats=stats,
+            explain=explain,
+            phase_seconds=phases,
+            seeded_database=seeded_database,
+        )
     if failure is not None and out is not None:
         # with several distinct bugs Hypothesis replays each; the file must
         # hold the one reported here
@@ -354,8 +412,16 @@ def fuzz_serial(model: Any, *, examples: int, steps: int, seed: int | None, out:
     counters["cpu_seconds"] = round(time.process_time() - c0, 3)
     counters["phase_seconds"] = {phase: round(phases.get(phase, 0.0), 3) for phase in PHASE_NAMES}
     counters["workers"] = 1
-    return FuzzResult(model=name, expected=expected, seed=seed, seconds=seconds, counters=counters,
-                      failure=failure, stats=stats)
+    return FuzzResult(
+        model=name,
+        expected=expected,
+        seed=seed,
+        seconds=seconds,
+        counters=counters,
+        failure=failure,
+        stats=stats,
+    )
+
 
 __all__ = [
     "fuzz",

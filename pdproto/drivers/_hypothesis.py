@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import hypothesis
 from hypothesis import strategies as st

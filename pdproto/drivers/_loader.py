@@ -23,15 +23,25 @@ import os
 import pkgutil
 import sys
 import traceback
+from collections.abc import Mapping
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
 import attrs
 
 from .._errors import ModelLoadError, UsageError
 
-__all__ = ["load_model", "list_models", "ModelInfo", "MAX_REQUESTS", "MAX_BLOCKS", "MAX_WORKERS", "MAX_CHUNKS",
-           "MAX_BLOCK_SIZE", "MAX_PROMPT_LEN"]
+__all__ = [
+    "load_model",
+    "list_models",
+    "ModelInfo",
+    "MAX_REQUESTS",
+    "MAX_BLOCKS",
+    "MAX_WORKERS",
+    "MAX_CHUNKS",
+    "MAX_BLOCK_SIZE",
+    "MAX_PROMPT_LEN",
+]
 
 #: Sizes the loader accepts for a handoff configuration.  Far larger than any
 #: exhaustive search can finish (see :func:`reach_warning`), but small enough
@@ -60,7 +70,9 @@ _FLAGS = {
 }
 
 _DEFAULT = "reference"
-_REPO_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
+_REPO_MODELS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models"
+)
 
 
 @attrs.frozen
@@ -142,8 +154,11 @@ def _where(exc: BaseException, files: tuple[str, ...] = ()) -> tuple[str | None,
     loader and importlib (preferring ``files``)."""
     if isinstance(exc, SyntaxError) and exc.filename:
         return exc.filename, exc.lineno or 0
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if f.filename != __file__ and "importlib" not in f.filename and not f.filename.startswith("<frozen")]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if f.filename != __file__ and "importlib" not in f.filename and not f.filename.startswith("<frozen")
+    ]
     wanted = [f for f in frames if os.path.abspath(f.filename) in files]
     pick = (wanted or frames)[-1:]
     if not pick:
@@ -238,38 +253,63 @@ def load_model(
     name = getattr(model, "name", None) or given
     doc = _first_line(module.__doc__) if module is not None else ""
     warning = reach_warning(config)
-    return model, ModelInfo(given, name, expected, has_expected, config, module, doc,
-                            (warning,) if warning else ())
+    return model, ModelInfo(
+        given, name, expected, has_expected, config, module, doc, (warning,) if warning else ()
+    )
 
 
-def _overrides(policy: str | None, mode: str | None, requests: int | None, blocks: int | None,
-               prefill_workers: int | None, decode_workers: int | None) -> dict[str, Any]:
+def _overrides(
+    policy: str | None,
+    mode: str | None,
+    requests: int | None,
+    blocks: int | None,
+    prefill_workers: int | None,
+    decode_workers: int | None,
+) -> dict[str, Any]:
     """The configuration fields the caller sets, validated."""
     if policy is not None and mode is not None and policy != mode:
         raise UsageError("policy", (policy, mode), "one value (mode is an alias of policy)")
     policy = policy if policy is not None else mode
-    for what, value, top in (("--requests", requests, MAX_REQUESTS), ("--blocks", blocks, MAX_BLOCKS),
-                             ("--workers", prefill_workers, MAX_WORKERS),
-                             ("--workers", decode_workers, MAX_WORKERS)):
+    for what, value, top in (
+        ("--requests", requests, MAX_REQUESTS),
+        ("--blocks", blocks, MAX_BLOCKS),
+        ("--workers", prefill_workers, MAX_WORKERS),
+        ("--workers", decode_workers, MAX_WORKERS),
+    ):
         if value is not None and (type(value) is not int or not 1 <= value <= top):
             raise UsageError(what, value, f"an integer from 1 to {top}")
-    given = {"policy": policy, "requests": requests, "blocks": blocks,
-             "prefill_workers": prefill_workers, "decode_workers": decode_workers}
+    given = {
+        "policy": policy,
+        "requests": requests,
+        "blocks": blocks,
+        "prefill_workers": prefill_workers,
+        "decode_workers": decode_workers,
+    }
     return {k: v for k, v in given.items() if v is not None}
 
 
-def _v11_overrides(prefix_cache: bool | None, chunks: int | None, layerwise: bool | None,
-                   block_size: int | None, prompt_len: int | None) -> dict[str, Any]:
+def _v11_overrides(
+    prefix_cache: bool | None,
+    chunks: int | None,
+    layerwise: bool | None,
+    block_size: int | None,
+    prompt_len: int | None,
+) -> dict[str, Any]:
     """The format 1.1 fields (and the prompt's shape) the caller sets, validated."""
     out: dict[str, Any] = {}
-    for what, name, value in (("--prefix-cache", "prefix_cache", prefix_cache), ("--layerwise", "layerwise", layerwise)):
+    for what, name, value in (
+        ("--prefix-cache", "prefix_cache", prefix_cache),
+        ("--layerwise", "layerwise", layerwise),
+    ):
         if value is not None:
             if type(value) is not bool:
                 raise UsageError(what, value, "True or False")
             out[name] = value
-    for what, name, value, top in (("--chunks", "chunks", chunks, MAX_CHUNKS),
-                                   ("--block-size", "block_size", block_size, MAX_BLOCK_SIZE),
-                                   ("--prompt-len", "prompt_len", prompt_len, MAX_PROMPT_LEN)):
+    for what, name, value, top in (
+        ("--chunks", "chunks", chunks, MAX_CHUNKS),
+        ("--block-size", "block_size", block_size, MAX_BLOCK_SIZE),
+        ("--prompt-len", "prompt_len", prompt_len, MAX_PROMPT_LEN),
+    ):
         if value is not None:
             if type(value) is not int or not 1 <= value <= top:
                 raise UsageError(what, value, f"an integer from 1 to {top}")
@@ -316,19 +356,27 @@ def _resolve(spec: str | None, given: str) -> tuple[Any, ModuleType | None]:
     return target, module
 
 
-def _instantiate(target: Any, module: ModuleType | None, overrides: dict[str, Any],
-                 faults: Mapping[str, int] | None, given: str) -> tuple[Any, Any]:
+def _instantiate(
+    target: Any,
+    module: ModuleType | None,
+    overrides: dict[str, Any],
+    faults: Mapping[str, int] | None,
+    given: str,
+) -> tuple[Any, Any]:
     """``(model, config)``: a model instance as is, or a builder called with its
     module's ``DEFAULT_CONFIG`` evolved by ``overrides`` and ``faults``."""
     if _is_model(target):
         if overrides or faults is not None:
             raise UsageError(
-                "--mode/--requests/--blocks/--faults", given,
+                "--mode/--requests/--blocks/--faults",
+                given,
                 "no configuration flags: this MODEL is a model instance, not a builder",
             )
         return target, None
     if not callable(target):
-        raise UsageError("MODEL", given, "a Model instance, a builder callable(config), or a module with build()")
+        raise UsageError(
+            "MODEL", given, "a Model instance, a builder callable(config), or a module with build()"
+        )
     if module is not None and hasattr(module, "DEFAULT_CONFIG"):
         config = module.DEFAULT_CONFIG
     else:
@@ -342,7 +390,11 @@ def _instantiate(target: Any, module: ModuleType | None, overrides: dict[str, An
     try:
         model = target(config)
     except (Exception, SystemExit) as exc:  # the builder's own error: one line, exit 2
-        files = (os.path.abspath(module.__file__),) if module is not None and getattr(module, "__file__", None) else ()
+        files = (
+            (os.path.abspath(module.__file__),)
+            if module is not None and getattr(module, "__file__", None)
+            else ()
+        )
         raise _failed(given, "build", exc, files) from exc
     if not _is_model(model):
         raise UsageError("MODEL", given, "a builder returning a model (initial_states, actions, step)")
@@ -366,7 +418,8 @@ def _configure(config: Any, overrides: dict[str, Any], given: str) -> Any:
         kind = type(config).__name__ if config is not None else "no DEFAULT_CONFIG"
         has = ", ".join(sorted(fields)) or "none"
         raise UsageError(
-            " ".join(flags), given,
+            " ".join(flags),
+            given,
             f"a model these flags apply to: model {given!r} takes its sizes from its own "
             f"configuration ({kind}; fields: {has})",
         )
@@ -377,7 +430,9 @@ def _configure(config: Any, overrides: dict[str, Any], given: str) -> Any:
     except (TypeError, ValueError) as exc:
         if isinstance(exc, UsageError):
             raise
-        raise UsageError("configuration flag", sorted(overrides), f"fields of the model's configuration ({exc})") from None
+        raise UsageError(
+            "configuration flag", sorted(overrides), f"fields of the model's configuration ({exc})"
+        ) from None
 
 
 def reach_warning(config: Any) -> str | None:
@@ -398,10 +453,17 @@ def reach_warning(config: Any) -> str | None:
     workers = getattr(config, "prefill_workers", 1) + getattr(config, "decode_workers", 1)
     faults = getattr(config, "faults", {}) or {}
     budget = sum(v for v in faults.values() if type(v) is int)
-    log10 = (1.1 + 0.29 * budget + (requests - 1) * (0.25 + 0.16 * budget)
-             + 0.2 * max(0, blocks - 1) * (requests - 1) + 0.5 * max(0, workers - 2) * requests)
+    log10 = (
+        1.1
+        + 0.29 * budget
+        + (requests - 1) * (0.25 + 0.16 * budget)
+        + 0.2 * max(0, blocks - 1) * (requests - 1)
+        + 0.5 * max(0, workers - 2) * requests
+    )
     if log10 < 7:
         return None
-    return (f"this configuration ({requests} requests, {blocks} blocks, {workers} workers, total fault "
-            f"budget {budget}) has very roughly 10**{int(log10)} states: likely out of reach of an "
-            "exhaustive search; use --max-states, --fingerprint, a smaller configuration, or pdproto fuzz")
+    return (
+        f"this configuration ({requests} requests, {blocks} blocks, {workers} workers, total fault "
+        f"budget {budget}) has very roughly 10**{int(log10)} states: likely out of reach of an "
+        "exhaustive search; use --max-states, --fingerprint, a smaller configuration, or pdproto fuzz"
+    )

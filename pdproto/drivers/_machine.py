@@ -23,7 +23,8 @@ from __future__ import annotations
 import collections
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 from hypothesis import HealthCheck, Phase, given, settings
@@ -31,7 +32,6 @@ from hypothesis import seed as hseed
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
-    get_state_machine_test,
     initialize,
     invariant,
     precondition,
@@ -94,7 +94,7 @@ def _pick(weights: Sequence[float], chain: int) -> int:
     return len(weights) - 1
 
 
-def _broken_invariant(setup: "_Setup", state: Any, line: int) -> Violation | None:
+def _broken_invariant(setup: _Setup, state: Any, line: int) -> Violation | None:
     """The first of the model's state invariants that ``state`` breaks, as a
     violation at history line ``line`` (None: all hold)."""
     for name, holds in setup.invariants.items():
@@ -221,10 +221,10 @@ class _Walk:
         the monitor from the nearest snapshot, the events after it re-fed
         (and a backend, which keeps no snapshot, re-fed from the start)."""
         fz = self.fz
-        del self.path[at + 1:]
+        del self.path[at + 1 :]
         del self.trace[at:]
         pos = self.path[at]
-        del self.events[pos.events:]
+        del self.events[pos.events :]
         k = at
         while self.path[k].snapshot is None:
             k -= 1
@@ -373,8 +373,12 @@ class _Walk:
         elif nfault == 0:
             rate = 0.0
         level = self.level
-        return [(rate if a.fault else 1.0 - rate) * level.get(a.kind + ("!" if a.fault else ""), 1.0) / counts[a.kind]
-                for a in cands]
+        return [
+            (rate if a.fault else 1.0 - rate)
+            * level.get(a.kind + ("!" if a.fault else ""), 1.0)
+            / counts[a.kind]
+            for a in cands
+        ]
 
     def _exploring(self) -> bool:
         fz = self.fz
@@ -557,8 +561,12 @@ class _Walk:
         """Drive the example to quiescence and apply the end-of-history checks
         (unless it failed)."""
         try:
-            if self.fz.quiesce and not self.failed and not self.found and (
-                    len(self.path) > 1 or self.episodes_here == 1):
+            if (
+                self.fz.quiesce
+                and not self.failed
+                and not self.found
+                and (len(self.path) > 1 or self.episodes_here == 1)
+            ):
                 self._quiesce()
         finally:
             self.fz.stats.seconds += time.perf_counter() - self.t0
@@ -632,7 +640,7 @@ class _Shrinker:
             cur = [a for _, a, _ in best[0]]
             i = len(cur) - chunk
             while i >= 0:  # from the end: a failure's cause is usually late
-                tried = self.replay(cur[:i] + cur[i + chunk:])
+                tried = self.replay(cur[:i] + cur[i + chunk :])
                 if tried is not None and len(tried[0]) < len(best[0]):
                     best, improved = tried, True
                     cur = [a for _, a, _ in best[0]]
@@ -726,17 +734,30 @@ class HandoffMachine(RuleBasedStateMachine):
         self.walk.teardown()
 
 
-def _make_setup(model: Any, *, out: str | os.PathLike[str] | None, swarm: bool, steer: bool, quiesce: bool,
-                backend: Callable[[Any], Any] | None, stats: FuzzStats | None) -> _Setup:
+def _make_setup(
+    model: Any,
+    *,
+    out: str | os.PathLike[str] | None,
+    swarm: bool,
+    steer: bool,
+    quiesce: bool,
+    backend: Callable[[Any], Any] | None,
+    stats: FuzzStats | None,
+) -> _Setup:
     from ..spec._history import HistoryHeader
 
     return _Setup(
-        model=model, header=getattr(model, "header", None) or HistoryHeader(),
-        canon=canonical_function(model), invariants=dict(getattr(model, "invariants", None) or {}),
+        model=model,
+        header=getattr(model, "header", None) or HistoryHeader(),
+        canon=canonical_function(model),
+        invariants=dict(getattr(model, "invariants", None) or {}),
         out=os.fspath(out) if out is not None else None,
         stats=stats if stats is not None else FuzzStats(),
-        init=next(iter(model.initial_states())), backend=backend,
-        swarm=swarm, steer=steer, quiesce=quiesce,
+        init=next(iter(model.initial_states())),
+        backend=backend,
+        swarm=swarm,
+        steer=steer,
+        quiesce=quiesce,
     )
 
 
@@ -783,18 +804,19 @@ def handoff_machine(
     runs) and ``.model``.  :func:`pdproto.fuzz` runs the same walk faster,
     without the state machine's per-step rule machinery.
     """
-    setup = _make_setup(model, out=out, swarm=swarm, steer=steer, quiesce=quiesce, backend=backend,
-                        stats=stats)
+    setup = _make_setup(
+        model, out=out, swarm=swarm, steer=steer, quiesce=quiesce, backend=backend, stats=stats
+    )
     name = f"Fuzz_{_ident(getattr(model, 'name', type(model).__name__))}"
-    machine = type(HandoffMachine)(name, (HandoffMachine,), {"setup": setup, "stats": setup.stats,
-                                                             "model": model, "__qualname__": name})
+    machine = type(HandoffMachine)(
+        name, (HandoffMachine,), {"setup": setup, "stats": setup.stats, "model": model, "__qualname__": name}
+    )
     machine.TestCase.settings = settings(  # type: ignore[attr-defined]
         machine.TestCase.settings,  # type: ignore[attr-defined]
         deadline=None,
         phases=[p for p in machine.TestCase.settings.phases if p is not Phase.explain],  # type: ignore[attr-defined]
         report_multiple_bugs=False,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                               HealthCheck.data_too_large],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
     )
     return machine
 
@@ -826,11 +848,21 @@ def _example(setup: _Setup, data: Any, steps: int) -> None:
         walk.teardown()
 
 
-def run_machine(model: Any, *, examples: int, steps: int, seed: int | None, out: str | None,
-                database: str | None, identity: str, backend: Callable[[Any], Any] | None,
-                stats: FuzzStats, explain: bool = False,
-                phase_seconds: dict[str, float] | None = None,
-                seeded_database: bool = False) -> HandoffFailure | None:
+def run_machine(
+    model: Any,
+    *,
+    examples: int,
+    steps: int,
+    seed: int | None,
+    out: str | None,
+    database: str | None,
+    identity: str,
+    backend: Callable[[Any], Any] | None,
+    stats: FuzzStats,
+    explain: bool = False,
+    phase_seconds: dict[str, float] | None = None,
+    seeded_database: bool = False,
+) -> HandoffFailure | None:
     """Run ``model``'s walk for ``examples`` examples of at most ``steps``
     steps; the (shrunk) failure, or None.  Anything else it raises
     propagates.  ``phase_seconds`` receives the wall seconds of each of
@@ -846,13 +878,18 @@ def run_machine(model: Any, *, examples: int, steps: int, seed: int | None, out:
     up to ten seconds of wall time)."""
     from hypothesis.database import DirectoryBasedExampleDatabase
 
-    setup = _make_setup(model, out=out, swarm=True, steer=True, quiesce=True, backend=backend,
-                        stats=stats)
+    setup = _make_setup(model, out=out, swarm=True, steer=True, quiesce=True, backend=backend, stats=stats)
     db = DirectoryBasedExampleDatabase(database) if database is not None else None
 
-    @settings(max_examples=examples, deadline=None, database=namespaced_database(db, identity),
-              suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False,
-              phases=list(Phase) if explain else list(PHASES))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=namespaced_database(db, identity),
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        report_multiple_bugs=False,
+        phases=list(Phase) if explain else list(PHASES),
+    )
     @given(st.data())
     def fuzz_model(data: Any) -> None:
         _example(setup, data, steps)
@@ -862,7 +899,8 @@ def run_machine(model: Any, *, examples: int, steps: int, seed: int | None, out:
         # Hypothesis's @seed turns the database off; a worker of a parallel
         # run still replays and saves failures (issue 16)
         test._hypothesis_internal_use_settings = settings(  # type: ignore[attr-defined]
-            test._hypothesis_internal_use_settings, database=namespaced_database(db, identity))  # type: ignore[attr-defined]
+            test._hypothesis_internal_use_settings, database=namespaced_database(db, identity)
+        )  # type: ignore[attr-defined]
     with phase_statistics() as seconds:
         try:
             test()

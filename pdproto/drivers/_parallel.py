@@ -32,7 +32,8 @@ import os
 import time
 import traceback
 from array import array
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .._errors import PdprotoError
 from ..spec._history import HistoryHeader
@@ -94,8 +95,12 @@ class ProcessPool:
         try:
             for wid in range(n):
                 here, there = ctx.Pipe()
-                p = ctx.Process(target=_serve, args=(there, (model, template, wid, n), opts), daemon=True,
-                                name=f"pdproto-explore-{wid}")
+                p = ctx.Process(
+                    target=_serve,
+                    args=(there, (model, template, wid, n), opts),
+                    daemon=True,
+                    name=f"pdproto-explore-{wid}",
+                )
                 p.start()
                 there.close()
                 self.conns.append(here)
@@ -172,7 +177,12 @@ def explore_parallel(
 ) -> ExploreResult:
     """Run the level-synchronous search on ``workers`` shards made by
     ``pool_factory`` (see the module doc)."""
-    opts = {"symmetry": symmetry, "fingerprint": fingerprint, "intern": intern, "check_deadlock": check_deadlock}
+    opts = {
+        "symmetry": symmetry,
+        "fingerprint": fingerprint,
+        "intern": intern,
+        "check_deadlock": check_deadlock,
+    }
     t0 = time.perf_counter()
     pool = pool_factory(model, template, workers, opts)
     try:
@@ -181,7 +191,8 @@ def explore_parallel(
             raise PdprotoError(
                 "the worker processes hash this model's states differently (a state holds an object "
                 "hashed by identity, or the workers run with different PYTHONHASHSEED): run without "
-                "--workers/--ray")
+                "--workers/--ray"
+            )
         t0 = time.perf_counter()
         run = _Run(pool, workers, t0, progress, progress_interval)
         run.account(pool.call("seed"), False)
@@ -202,8 +213,19 @@ def explore_parallel(
                 stopped_by = "counterexample"
         seconds = time.perf_counter() - t0
         finals = pool.call("finish")
-        return _result(model, header, template, pool, run, finals, seconds, stopped_by, stop_on_first,
-                       fingerprint, symmetry)
+        return _result(
+            model,
+            header,
+            template,
+            pool,
+            run,
+            finals,
+            seconds,
+            stopped_by,
+            stop_on_first,
+            fingerprint,
+            symmetry,
+        )
     finally:
         pool.close()
 
@@ -238,9 +260,16 @@ class _Run:
 
     def info(self, now: float, done: bool = False) -> dict[str, Any]:
         out = {
-            "states": self.states, "transitions": self.transitions, "depth": self.level,
-            "queue": self.frontier, "seconds": now - self.t0, "violations": int(self.found),
-            "level": self.level, "frontier": self.frontier, "memory": self.rss, "workers": self.n,
+            "states": self.states,
+            "transitions": self.transitions,
+            "depth": self.level,
+            "queue": self.frontier,
+            "seconds": now - self.t0,
+            "violations": int(self.found),
+            "level": self.level,
+            "frontier": self.frontier,
+            "memory": self.rss,
+            "workers": self.n,
             "levels": list(self.levels),
         }
         if done:
@@ -248,9 +277,19 @@ class _Run:
         return out
 
 
-def _result(model: Any, header: HistoryHeader, template: Monitor | None, pool: Any, run: _Run,
-            finals: list[dict[str, Any]], seconds: float, stopped_by: str | None, stop_on_first: bool,
-            fingerprint: bool, symmetry: bool) -> ExploreResult:
+def _result(
+    model: Any,
+    header: HistoryHeader,
+    template: Monitor | None,
+    pool: Any,
+    run: _Run,
+    finals: list[dict[str, Any]],
+    seconds: float,
+    stopped_by: str | None,
+    stop_on_first: bool,
+    fingerprint: bool,
+    symmetry: bool,
+) -> ExploreResult:
     n = run.n
     # the shallowest finding of each invariant over the shards
     best: dict[str, tuple] = {}
@@ -266,7 +305,9 @@ def _result(model: Any, header: HistoryHeader, template: Monitor | None, pool: A
     for (inv, (_, _, _, kind, message)), (initial, acts) in zip(chosen, paths):
         parents = array("q", range(-1, len(acts)))
         via = array("q", [initial, *acts])
-        found[kind].append(_counterexample(model, header, template, parents, via, len(acts), kind, inv, message))
+        found[kind].append(
+            _counterexample(model, header, template, parents, via, len(acts), kind, inv, message)
+        )
     met = set().union(*(fin["met"] for fin in finals))
     sometimes = list(getattr(model, "sometimes", None) or {})
     memory: dict[str, int] = {}
@@ -284,16 +325,26 @@ def _result(model: Any, header: HistoryHeader, template: Monitor | None, pool: A
         progress(run.info(time.perf_counter(), True))
     stopped = stopped_by is not None
     return ExploreResult(
-        model=getattr(model, "name", type(model).__name__), states=states, transitions=run.transitions,
-        depth=max((i for i, c in enumerate(run.levels) if c), default=0), seconds=seconds,
-        violations=tuple(found["violation"]), deadlocks=tuple(found["deadlock"]),
+        model=getattr(model, "name", type(model).__name__),
+        states=states,
+        transitions=run.transitions,
+        depth=max((i for i, c in enumerate(run.levels) if c), default=0),
+        seconds=seconds,
+        violations=tuple(found["violation"]),
+        deadlocks=tuple(found["deadlock"]),
         invariant_failures=tuple(found["state-invariant"]),
         unmet_sometimes=tuple(s for s in sometimes if s not in met),
         met_sometimes=tuple(s for s in sometimes if s in met),
-        complete=not stopped, truncated=stopped_by in ("max_states", "max_seconds"),
-        symmetry=_mode(model, symmetry), fingerprint=fingerprint, bytes_per_state=bps,
+        complete=not stopped,
+        truncated=stopped_by in ("max_states", "max_seconds"),
+        symmetry=_mode(model, symmetry),
+        fingerprint=fingerprint,
+        bytes_per_state=bps,
         collision_probability=_collision_probability(states) if fingerprint else None,
-        monitor_states=monitor_states, graph=None, header=header, memory=memory,
+        monitor_states=monitor_states,
+        graph=None,
+        header=header,
+        memory=memory,
         stopped_by=stopped_by,
     )
 

@@ -39,7 +39,8 @@ import os
 import random
 import time
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -98,8 +99,12 @@ def check_local_workers(workers: int) -> None:
     machine's CPUs (:func:`max_local_workers`)."""
     limit = max_local_workers()
     if workers > limit:
-        raise UsageError("workers", workers, f"at most {limit} on this machine ({WORKERS_PER_CPU} per CPU; "
-                         "a Ray cluster's address takes more)")
+        raise UsageError(
+            "workers",
+            workers,
+            f"at most {limit} on this machine ({WORKERS_PER_CPU} per CPU; "
+            "a Ray cluster's address takes more)",
+        )
 
 
 def worker_seed(seed: int, worker: int) -> int:
@@ -128,8 +133,9 @@ def run_share(model: Any, share: Share, options: dict[str, Any]) -> FuzzResult:
     what a worker process or Ray task runs."""
     model = rebuilt(model)
     # seeded, and still on the shared database (a serial seeded run is not)
-    return fuzz_serial(model, examples=share.examples, seed=share.seed, stats=FuzzStats(),
-                       seeded_database=True, **options)
+    return fuzz_serial(
+        model, examples=share.examples, seed=share.seed, stats=FuzzStats(), seeded_database=True, **options
+    )
 
 
 # -- worker processes --------------------------------------------------------------
@@ -161,8 +167,12 @@ def run_processes(model: Any, shares: Sequence[Share], options: dict[str, Any]) 
     try:
         for share in shares:
             here, there = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(there, sent, share, options), daemon=True,
-                            name=f"pdproto-fuzz-{share.worker}")
+            p = ctx.Process(
+                target=_child,
+                args=(there, sent, share, options),
+                daemon=True,
+                name=f"pdproto-fuzz-{share.worker}",
+            )
             p.start()
             there.close()
             procs.append(p)
@@ -198,9 +208,19 @@ def run_processes(model: Any, shares: Sequence[Share], options: dict[str, Any]) 
 # -- the merge --------------------------------------------------------------------
 
 
-def merge(results: Sequence[FuzzResult], shares: Sequence[Share], *, workers: int, seed: int,
-          seconds: float, name: str, expected: str | None, reachable: int | None = None,
-          stats: FuzzStats | None = None, out: str | None = None) -> FuzzResult:
+def merge(
+    results: Sequence[FuzzResult],
+    shares: Sequence[Share],
+    *,
+    workers: int,
+    seed: int,
+    seconds: float,
+    name: str,
+    expected: str | None,
+    reachable: int | None = None,
+    stats: FuzzStats | None = None,
+    out: str | None = None,
+) -> FuzzResult:
     """One :class:`FuzzResult` from the workers' (see the module doc).
     ``workers``: the workers asked for (``workers_requested``; ``workers``
     counts the shares that ran).  ``stats``: a :class:`FuzzStats` to merge
@@ -232,28 +252,45 @@ def merge(results: Sequence[FuzzResult], shares: Sequence[Share], *, workers: in
     counters["cpu_seconds"] = round(sum(r.counters.get("cpu_seconds", 0.0) for r in results), 3)
     counters["phase_seconds"] = {
         phase: round(sum(r.counters.get("phase_seconds", {}).get(phase, 0.0) for r in results), 3)
-        for phase in PHASE_NAMES}
+        for phase in PHASE_NAMES
+    }
     counters["workers"] = len(shares)
     counters["workers_requested"] = workers
     # found_at_example is the finding worker's own example number
     counters["found_by_worker"] = found_by
     best: dict[str, dict[str, Any]] = {}
     for steps, worker, r in sorted(failed, key=lambda f: f[:2]):
-        best.setdefault(r.failure.violation.invariant, {
-            "worker": worker, "steps": steps, "found_at_example": r.counters.get("found_at_example")})
+        best.setdefault(
+            r.failure.violation.invariant,
+            {"worker": worker, "steps": steps, "found_at_example": r.counters.get("found_at_example")},
+        )
     counters["invariants_found"] = best
     counters["worker_runs"] = [
-        {"worker": share.worker, "seed": share.seed, "examples": r.counters["examples"],
-         "steps": r.counters["steps"], "distinct_states": r.counters["distinct_states"],
-         "seconds": r.counters["seconds"],
-         "invariant": None if r.failure is None else r.failure.violation.invariant}
-        for share, r in zip(shares, results)]
-    return FuzzResult(model=name, expected=expected, seed=seed, seconds=seconds, counters=counters,
-                      failure=failure, stats=merged)
+        {
+            "worker": share.worker,
+            "seed": share.seed,
+            "examples": r.counters["examples"],
+            "steps": r.counters["steps"],
+            "distinct_states": r.counters["distinct_states"],
+            "seconds": r.counters["seconds"],
+            "invariant": None if r.failure is None else r.failure.violation.invariant,
+        }
+        for share, r in zip(shares, results)
+    ]
+    return FuzzResult(
+        model=name,
+        expected=expected,
+        seed=seed,
+        seconds=seconds,
+        counters=counters,
+        failure=failure,
+        stats=merged,
+    )
 
 
-def fuzz_parallel(model: Any, arguments: dict[str, Any], *, workers: int | None = None,
-                  ray: bool | str = False) -> FuzzResult:
+def fuzz_parallel(
+    model: Any, arguments: dict[str, Any], *, workers: int | None = None, ray: bool | str = False
+) -> FuzzResult:
     """:func:`~pdproto.fuzz` (``arguments``: its keyword arguments, all of
     them, ``out`` checked and ``name`` and ``stats`` set) with its budget
     split over ``workers`` worker processes, or Ray tasks with ``ray`` (True:
@@ -265,7 +302,11 @@ def fuzz_parallel(model: Any, arguments: dict[str, Any], *, workers: int | None 
     if workers is not None and (ray is False or (ray is True and "RAY_ADDRESS" not in os.environ)):
         check_local_workers(workers)  # processes, or a local Ray instance's CPUs
     examples, database, name = arguments["examples"], arguments["database"], arguments["name"]
-    out_path, expected, coverage_states = arguments["out"], arguments["expected"], arguments["coverage_states"]
+    out_path, expected, coverage_states = (
+        arguments["out"],
+        arguments["expected"],
+        arguments["coverage_states"],
+    )
     seed = arguments["seed"] if arguments["seed"] is not None else random.SystemRandom().getrandbits(32)
     reachable = reachable_states(model, max_states=coverage_states) if coverage_states is not None else None
     options = {key: arguments[key] for key in ("steps", "backend", "name", "expected", "explain")}
@@ -275,20 +316,43 @@ def fuzz_parallel(model: Any, arguments: dict[str, Any], *, workers: int | None 
     if ray is not False:
         from ._ray_fuzz import run_ray
 
-        results, shares, workers = run_ray(model, examples, workers, seed, options,
-                                           address=None if ray is True else str(ray))
+        results, shares, workers = run_ray(
+            model, examples, workers, seed, options, address=None if ray is True else str(ray)
+        )
     else:
         workers = workers or 1
         shares = plan(examples, workers, seed)
         results = run_processes(model, shares, options)
     seconds = time.perf_counter() - t0
-    result = merge(results, shares, workers=workers, seed=seed, seconds=seconds, name=name,
-                   expected=expected, reachable=reachable, stats=arguments["stats"], out=out_path)
+    result = merge(
+        results,
+        shares,
+        workers=workers,
+        seed=seed,
+        seconds=seconds,
+        name=name,
+        expected=expected,
+        reachable=reachable,
+        stats=arguments["stats"],
+        out=out_path,
+    )
     if result.failure is not None and out_path is not None:
         write_history(out_path, result.failure.events, result.failure.header)
     return result
 
 
-__all__ = ["fuzz_parallel", "FuzzWorkerError", "Share", "plan", "split_examples", "worker_seed",
-           "WORKERS_PER_CPU", "max_local_workers", "check_local_workers",
-           "portable", "run_share", "run_processes", "merge"]
+__all__ = [
+    "fuzz_parallel",
+    "FuzzWorkerError",
+    "Share",
+    "plan",
+    "split_examples",
+    "worker_seed",
+    "WORKERS_PER_CPU",
+    "max_local_workers",
+    "check_local_workers",
+    "portable",
+    "run_share",
+    "run_processes",
+    "merge",
+]

@@ -28,10 +28,20 @@ from __future__ import annotations
 import os
 import pickle
 from array import array
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..spec._monitor import Monitor
-from ._search import _CONCRETE, _SKIP, _MonitorStates, _append_wide, _key_functions, _meet, _rss, _symmetry_hooks
+from ._search import (
+    _CONCRETE,
+    _SKIP,
+    _append_wide,
+    _key_functions,
+    _meet,
+    _MonitorStates,
+    _rss,
+    _symmetry_hooks,
+)
 from ._visited import _BAD, _PAIR, _flat_type, _unpack, _Visited
 
 
@@ -54,6 +64,7 @@ def rebuilt(sent: Any) -> Any:
         return sent[1](sent[2]) if sent[0] == "build" else sent[1]
     return sent
 
+
 #: the kinds of finding, in the order a shard reports them
 KINDS = ("violation", "state-invariant", "deadlock")
 
@@ -66,8 +77,18 @@ def owner(part: Any, n: int) -> int:
 class Shard:
     """Shard ``wid`` of ``n``: its visited set, links, frontier and findings."""
 
-    def __init__(self, model: Any, template: Monitor | None, wid: int, n: int, *, symmetry: bool,
-                 fingerprint: bool, intern: bool, check_deadlock: bool) -> None:
+    def __init__(
+        self,
+        model: Any,
+        template: Monitor | None,
+        wid: int,
+        n: int,
+        *,
+        symmetry: bool,
+        fingerprint: bool,
+        intern: bool,
+        check_deadlock: bool,
+    ) -> None:
         self.model, self.template, self.wid, self.n = model, template, wid, n
         self.check_deadlock = check_deadlock
         self.invariants = dict(getattr(model, "invariants", None) or {})
@@ -213,8 +234,14 @@ class Shard:
                 canon_key = self.canon_key
                 for j, nstate in enumerate(states):
                     bad = bads.get(j) if bads else None
-                    add(nstate, mids[smids[j]], pgids[j], ais[j], None if bad is None else _Found(*bad),
-                        canon_key(cstates[j], mids[rmids[j]]))
+                    add(
+                        nstate,
+                        mids[smids[j]],
+                        pgids[j],
+                        ais[j],
+                        None if bad is None else _Found(*bad),
+                        canon_key(cstates[j], mids[rmids[j]]),
+                    )
                 continue
             for j, nstate in enumerate(states):
                 nmid = mids[smids[j]]
@@ -238,12 +265,15 @@ class Shard:
         """What the coordinator needs for the result: findings, sometimes met,
         the monitor states seen, memory."""
         states = len(self.parents)
-        memory: dict[str, int] = {
-            "links": self.parents.itemsize * states + self.via.itemsize * states}
+        memory: dict[str, int] = {"links": self.parents.itemsize * states + self.via.itemsize * states}
         self.visited.account(memory, states)
         return {
-            "found": self.found, "met": sorted(self.met), "monitor_keys": list(self.mons.keys),
-            "memory": memory, "states": states, "rss": _rss(),
+            "found": self.found,
+            "met": sorted(self.met),
+            "monitor_keys": list(self.mons.keys),
+            "memory": memory,
+            "states": states,
+            "rss": _rss(),
         }
 
     # -- inside ----------------------------------------------------------------
@@ -345,8 +375,11 @@ class Shard:
 
     def _stats(self, transitions: int) -> dict[str, Any]:
         return {
-            "states": len(self.parents), "transitions": self.transitions, "frontier": len(self.frontier),
-            "found": min((v[0] for v in self.found.values()), default=None), "rss": _rss(),
+            "states": len(self.parents),
+            "transitions": self.transitions,
+            "frontier": len(self.frontier),
+            "found": min((v[0] for v in self.found.values()), default=None),
+            "rss": _rss(),
         }
 
 
@@ -359,7 +392,9 @@ class _Found:
         self.invariant, self.message = invariant, message
 
 
-def _part_function(hooks: tuple[str, Any, Any, Any], concrete: bool, mkeys: list) -> Callable[[Any, int], Any]:
+def _part_function(
+    hooks: tuple[str, Any, Any, Any], concrete: bool, mkeys: list
+) -> Callable[[Any, int], Any]:
     """``part(state, mid)``: the part of a state's search key that is the same
     object in every process (the partition hashes it): the model half, or the
     whole product key when the model's hook makes it (it holds the monitor's
@@ -390,7 +425,9 @@ class _Batch:
         self.cstates: list | None = None  # under a renaming symmetry: the canonical states
         self.rmids: array | None = None  # ... and the renamed monitor ids
 
-    def add_canonical(self, nstate: Any, nmid: int, pgid: int, ai: int, bad: Any, cstate: Any, rmid: int) -> None:
+    def add_canonical(
+        self, nstate: Any, nmid: int, pgid: int, ai: int, bad: Any, cstate: Any, rmid: int
+    ) -> None:
         if self.cstates is None:
             self.cstates, self.rmids = [], array("l")
         if bad is not None:
@@ -409,8 +446,10 @@ class _Batch:
             used.update(self.rmids)
         # (no monitor, no keys: every monitor id is 0)
         table = {mid: mkeys[mid] for mid in used} if mkeys else {}
-        return pickle.dumps((table, self.states, self.mids, self.pgids, self.ais, self.bads, self.cstates, self.rmids),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(
+            (table, self.states, self.mids, self.pgids, self.ais, self.bads, self.cstates, self.rmids),
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
 
 
 def hash_seed_env() -> dict[str, str]:

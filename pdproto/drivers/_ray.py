@@ -20,7 +20,8 @@ from __future__ import annotations
 import gc
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .._errors import MissingExtraError, PdprotoError
 from ._parallel_shard import Shard, hash_seed_env, portable, rebuilt
@@ -68,7 +69,9 @@ def _by_value(model: Any) -> None:
     # pdproto's own modules import by name in the actors; the catalogue may not:
     # run from a checkout, the loader loads the repository's models/ as
     # pdproto.models, which a fresh process finds nowhere (pdproto/ has no models/)
-    if (name.startswith(("pdproto.", "builtins")) or name == "pdproto") and not name.startswith("pdproto.models."):
+    if (name.startswith(("pdproto.", "builtins")) or name == "pdproto") and not name.startswith(
+        "pdproto.models."
+    ):
         return
     mod = sys.modules.get(name)
     if mod is not None:
@@ -86,8 +89,11 @@ class RayPool:
         self.n = n
         self.started = False
         if not ray.is_initialized():
-            kw: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR,
-                                  "log_to_driver": False}
+            kw: dict[str, Any] = {
+                "include_dashboard": False,
+                "logging_level": logging.ERROR,
+                "log_to_driver": False,
+            }
             if address is None:
                 kw["num_cpus"] = max(n, 1)
             try:
@@ -99,7 +105,9 @@ class RayPool:
         actor = ray.remote(num_cpus=1)(_ShardActor)
         env = {"env_vars": hash_seed_env()}
         shipped = ray.put(portable(model))
-        self.actors = [actor.options(runtime_env=env).remote(shipped, template, wid, n, opts) for wid in range(n)]
+        self.actors = [
+            actor.options(runtime_env=env).remote(shipped, template, wid, n, opts) for wid in range(n)
+        ]
         self.pending: list[list] = [[] for _ in range(n)]
 
     def _get(self, refs: list) -> list:
@@ -111,8 +119,12 @@ class RayPool:
             raise WorkerError(-1, str(exc)) from None
 
     def call(self, name: str, per_worker: list[tuple] | None = None) -> list[Any]:
-        return self._get([a.call.remote(name, *(per_worker[w] if per_worker is not None else ()))
-                          for w, a in enumerate(self.actors)])
+        return self._get(
+            [
+                a.call.remote(name, *(per_worker[w] if per_worker is not None else ()))
+                for w, a in enumerate(self.actors)
+            ]
+        )
 
     def expand(self) -> list[dict[str, Any]]:
         n = self.n

@@ -34,8 +34,15 @@ def import_ray() -> Any:
     return ray
 
 
-def run_ray(model: Any, examples: int, workers: int | None, seed: int, options: dict[str, Any], *,
-            address: str | None = None) -> tuple[list[FuzzResult], list[Share], int]:
+def run_ray(
+    model: Any,
+    examples: int,
+    workers: int | None,
+    seed: int,
+    options: dict[str, Any],
+    *,
+    address: str | None = None,
+) -> tuple[list[FuzzResult], list[Share], int]:
     """Run the shares of ``examples`` (over ``workers`` tasks, default: the
     cluster's CPUs) as Ray tasks; their results and the shares, in order,
     and the workers asked for (the cluster's CPUs when ``workers`` is None)."""
@@ -49,11 +56,19 @@ def run_ray(model: Any, examples: int, workers: int | None, seed: int, options: 
             ray.init(address=address, **kw)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             # the value that failed: the address given (even ''), else RAY_ADDRESS, else the flag
-            what, where = (("--ray", address) if address is not None
-                           else ("RAY_ADDRESS", os.environ["RAY_ADDRESS"]) if os.environ.get("RAY_ADDRESS")
-                           else ("--ray (a local Ray instance)", True))
-            raise UsageError(what, where, f"a Ray cluster to join or start ({type(exc).__name__}: "
-                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else '?'})") from None
+            what, where = (
+                ("--ray", address)
+                if address is not None
+                else ("RAY_ADDRESS", os.environ["RAY_ADDRESS"])
+                if os.environ.get("RAY_ADDRESS")
+                else ("--ray (a local Ray instance)", True)
+            )
+            raise UsageError(
+                what,
+                where,
+                f"a Ray cluster to join or start ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else '?'})",
+            ) from None
     try:
         if workers is None:
             workers = max(1, int(ray.cluster_resources().get("CPU", 1)))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -150,8 +151,14 @@ class ReplayResult:
         }
 
 
-def _check_shapes(layers: int | None, kv_heads: int | None, head_dim: int | None, block_size: int | None) -> None:
-    for name, value, low in (("--layers", layers, 1), ("--kv-heads", kv_heads, 1), ("--head-dim", head_dim, 5)):
+def _check_shapes(
+    layers: int | None, kv_heads: int | None, head_dim: int | None, block_size: int | None
+) -> None:
+    for name, value, low in (
+        ("--layers", layers, 1),
+        ("--kv-heads", kv_heads, 1),
+        ("--head-dim", head_dim, 5),
+    ):
         if value is not None and value < low:
             raise UsageError(name, value, f"an integer >= {low}")
     if block_size is not None and block_size < 1:
@@ -222,8 +229,11 @@ def replay(
     if model is not None:
         mb = load_model_backend()
         if layers is not None or kv_heads is not None:
-            raise UsageError("--layers/--kv-heads with --model", layers if layers is not None else kv_heads,
-                             "none: the model sets the layers and KV heads")
+            raise UsageError(
+                "--layers/--kv-heads with --model",
+                layers if layers is not None else kv_heads,
+                "none: the model sets the layers and KV heads",
+            )
         model = mb.load_model(model) if isinstance(model, (str, os.PathLike)) else model
     skipped = check_invariant_ids(skip)
     _check_shapes(layers, kv_heads, head_dim, block_size)
@@ -234,8 +244,29 @@ def replay(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _replay(tb, path, device, dtype, tp, layers, kv_heads, head_dim, block_size, layout, scale,
-                       policy, complete, skipped, max_line_bytes, max_memory, mb, model, threads, tr, timing)
+        return _replay(
+            tb,
+            path,
+            device,
+            dtype,
+            tp,
+            layers,
+            kv_heads,
+            head_dim,
+            block_size,
+            layout,
+            scale,
+            policy,
+            complete,
+            skipped,
+            max_line_bytes,
+            max_memory,
+            mb,
+            model,
+            threads,
+            tr,
+            timing,
+        )
     finally:
         if threads is not None:
             torch.set_num_threads(before)
@@ -243,25 +274,63 @@ def replay(
             tr.close()
 
 
-def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | None, tp: str | None,
-            layers: int | None, kv_heads: int | None, head_dim: int | None, block_size: int | None,
-            layout: str | None, scale: str | None, policy: str | None, complete: bool, skipped: Any,
-            max_line_bytes: int, max_memory: int | None, mb: Any = None, model: Any = None,
-            threads: int | None = 1, transport: Any = None, timing: str = "adversarial") -> ReplayResult:
+def _replay(
+    tb: Any,
+    path: str | os.PathLike[str],
+    device: str,
+    dtype: str | None,
+    tp: str | None,
+    layers: int | None,
+    kv_heads: int | None,
+    head_dim: int | None,
+    block_size: int | None,
+    layout: str | None,
+    scale: str | None,
+    policy: str | None,
+    complete: bool,
+    skipped: Any,
+    max_line_bytes: int,
+    max_memory: int | None,
+    mb: Any = None,
+    model: Any = None,
+    threads: int | None = 1,
+    transport: Any = None,
+    timing: str = "adversarial",
+) -> ReplayResult:
     with open_history(os.fspath(path), max_line_bytes=max_line_bytes) as reader:
         monitor = Monitor.from_header(reader.header, policy=policy, complete=complete, skip=skipped)
         limit = {} if max_memory is None else {"max_memory": max_memory}  # default: the backend's
         if mb is not None:
-            backend = mb.ModelBackend(reader.header, model=model, device=device, dtype=dtype,
-                                      tp=None if tp is None else tb.parse_tp(tp), head_dim=head_dim,
-                                      block_size=block_size, layout=layout, scale=scale, threads=threads,
-                                      **limit)
+            backend = mb.ModelBackend(
+                reader.header,
+                model=model,
+                device=device,
+                dtype=dtype,
+                tp=None if tp is None else tb.parse_tp(tp),
+                head_dim=head_dim,
+                block_size=block_size,
+                layout=layout,
+                scale=scale,
+                threads=threads,
+                **limit,
+            )
         else:
-            backend = tb.TorchBackend(reader.header, device=device, dtype=dtype,
-                                      tp=None if tp is None else tb.parse_tp(tp), layers=layers,
-                                      kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                                      layout=layout, scale=scale, transport=transport, timing=timing,
-                                      policy=monitor.policy, **limit)
+            backend = tb.TorchBackend(
+                reader.header,
+                device=device,
+                dtype=dtype,
+                tp=None if tp is None else tb.parse_tp(tp),
+                layers=layers,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                block_size=block_size,
+                layout=layout,
+                scale=scale,
+                transport=transport,
+                timing=timing,
+                policy=monitor.policy,
+                **limit,
+            )
         feed, apply = monitor.feed, backend.apply
         for line, event in reader:
             feed(event, line)
@@ -275,9 +344,14 @@ def _replay(tb: Any, path: str | os.PathLike[str], device: str, dtype: str | Non
         [(v.line, 0, i, v) for i, v in enumerate(monitor.violations)]
         + [(v.line, 1, i, v) for i, v in enumerate(backend.violations)]
     )
-    return ReplayResult(events=monitor.events, requests=monitor.requests, policy=monitor.policy,
-                        complete=monitor.complete, violations=tuple(m[3] for m in merged),
-                        backend=_backend_info(backend))
+    return ReplayResult(
+        events=monitor.events,
+        requests=monitor.requests,
+        policy=monitor.policy,
+        complete=monitor.complete,
+        violations=tuple(m[3] for m in merged),
+        backend=_backend_info(backend),
+    )
 
 
 def _backend_info(backend: Any) -> dict[str, Any]:
@@ -303,8 +377,10 @@ def _backend_info(backend: Any) -> dict[str, Any]:
         "memory": backend.memory,
         "transport": backend.transport.name,
         "timing": backend.timing,
-        "workers": {name: {"role": w.role, "tp": w.tp, "pp": w.pp, "blocks": w.nblocks}
-                    for name, w in sorted(backend._workers.items())},
+        "workers": {
+            name: {"role": w.role, "tp": w.tp, "pp": w.pp, "blocks": w.nblocks}
+            for name, w in sorted(backend._workers.items())
+        },
     }
     if L.scale is not None:
         out["scale"] = L.scale
@@ -313,6 +389,14 @@ def _backend_info(backend: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["replay", "ReplayResult", "load_torch_backend", "torch_backend_factory", "load_transport",
-           "load_model_backend",
-           "model_backend_factory", "KV_CORRUPTION", "LOGIT_DIVERGENCE"]
+__all__ = [
+    "replay",
+    "ReplayResult",
+    "load_torch_backend",
+    "torch_backend_factory",
+    "load_transport",
+    "load_model_backend",
+    "model_backend_factory",
+    "KV_CORRUPTION",
+    "LOGIT_DIVERGENCE",
+]

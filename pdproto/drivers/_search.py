@@ -20,15 +20,15 @@ import os
 import time
 from array import array
 from collections import deque
-from typing import Any, Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
+from ..protocol._model import Renaming
 from ..spec._history import HistoryHeader
 from ..spec._monitor import Monitor, Violation
-from ..protocol._model import Renaming
 from ._results import Counterexample, ExploreResult
 from ._traces import _build_graph, _counterexample, _path
 from ._visited import _BAD, _PAIR, _flat_type, _unpack, _Visited
-
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -150,8 +150,9 @@ def _symmetry_hooks(model: Any, symmetry: bool) -> tuple[str, Any, Any, Any]:
     return mode, product, renaming, canonical
 
 
-def _key_functions(hooks: tuple[str, Any, Any, Any], mons: _MonitorStates,
-                   scls: type) -> tuple[Callable, Callable, Callable]:
+def _key_functions(
+    hooks: tuple[str, Any, Any, Any], mons: _MonitorStates, scls: type
+) -> tuple[Callable, Callable, Callable]:
     """(flat_key, product_key) for the hooks of :func:`_symmetry_hooks`:
     ``flat_key(state, mid)`` is the stored form of a concrete product state
     (a frontier entry), ``product_key(state, mid)`` its search key under the
@@ -344,13 +345,28 @@ class _Search:
     def _loop(self) -> None:
         """Successor handling: every transition of every state :meth:`_states`
         yields, inline (see the module doc)."""
-        frontier, parents, via, limit, progress = self.frontier, self.parents, self.via, self.limit, self.progress
+        frontier, parents, via, limit, progress = (
+            self.frontier,
+            self.parents,
+            self.via,
+            self.limit,
+            self.progress,
+        )
         mons, visited, graph_ok = self.mons, self.visited, self.graph_ok
         template, after = mons.template, mons.after
         fpset, keys, kkey = visited.fpset, visited.keys, visited.kinterner and visited.kinterner.key
         fp_table, fp_mask = (fpset.table, fpset.mask) if fpset is not None else (None, 0)
-        flat_key, product_key, ikey, fast_key = self.flat_key, self.product_key, self.ikey, self.sym_mode in _CONCRETE
-        fast_flat, scls, stored_entry = fast_key and _flat_type(self.scls), self.scls, fast_key and fpset is None
+        flat_key, product_key, ikey, fast_key = (
+            self.flat_key,
+            self.product_key,
+            self.ikey,
+            self.sym_mode in _CONCRETE,
+        )
+        fast_flat, scls, stored_entry = (
+            fast_key and _flat_type(self.scls),
+            self.scls,
+            fast_key and fpset is None,
+        )
         step, check_state, invariants, unmet = self.model.step, self._check_state, self.invariants, self.unmet
         checks = bool(invariants or unmet)
         transitions = self.transitions
@@ -486,7 +502,9 @@ class _Search:
                 self.met[name] = None
         if self.invariants:
             for name, pred in self.invariants.items():
-                if not pred(state) and self._record("state-invariant", name, idx, f"state invariant {name!r} fails"):
+                if not pred(state) and self._record(
+                    "state-invariant", name, idx, f"state invariant {name!r} fails"
+                ):
                     return True
         return False
 
@@ -497,18 +515,20 @@ class _Search:
             return True
         if self.progress is not None and now >= self.next_report:
             self.next_report = now + self.progress_interval
-            self.progress({  # type: ignore[misc]
-                "states": len(self.parents),
-                "transitions": transitions,
-                "depth": self.depth,
-                "queue": len(self.frontier),
-                "seconds": now - self.t0,
-                "violations": len(self.pending),
-                "level": self.depth,
-                "frontier": len(self.frontier),
-                "memory": _rss(),
-                "levels": self.levels,
-            })
+            self.progress(
+                {  # type: ignore[misc]
+                    "states": len(self.parents),
+                    "transitions": transitions,
+                    "depth": self.depth,
+                    "queue": len(self.frontier),
+                    "seconds": now - self.t0,
+                    "violations": len(self.pending),
+                    "level": self.depth,
+                    "frontier": len(self.frontier),
+                    "memory": _rss(),
+                    "levels": self.levels,
+                }
+            )
         return False
 
     # -- the result ----------------------------------------------------------
@@ -518,18 +538,37 @@ class _Search:
         n = len(parents)
         depth_reached = len(_path(parents, self.via, n - 1)[1]) if n else 0
         if self.progress is not None:
-            self.progress({
-                "states": n, "transitions": self.transitions, "depth": depth_reached, "queue": len(self.frontier),
-                "seconds": self.seconds, "violations": len(self.pending), "done": True,
-            })
+            self.progress(
+                {
+                    "states": n,
+                    "transitions": self.transitions,
+                    "depth": depth_reached,
+                    "queue": len(self.frontier),
+                    "seconds": self.seconds,
+                    "violations": len(self.pending),
+                    "done": True,
+                }
+            )
         self.peak_frontier = max(self.peak_frontier, len(self.frontier))
         self.frontier.clear()
         if self.bfront is not None:
             self.bfront.clear()
         found: dict[str, list[Counterexample]] = {"violation": [], "deadlock": [], "state-invariant": []}
         for kind, inv, idx, message in self.pending:
-            found[kind].append(_counterexample(
-                model, self.header, self.template, parents, self.via, idx, kind, inv, message, self.backend))
+            found[kind].append(
+                _counterexample(
+                    model,
+                    self.header,
+                    self.template,
+                    parents,
+                    self.via,
+                    idx,
+                    kind,
+                    inv,
+                    message,
+                    self.backend,
+                )
+            )
         memory: dict[str, int] = {"links": parents.itemsize * n + self.via.itemsize * len(self.via)}
         coll = self.visited.account(memory, n)
         bps = sum(memory.values()) / n if n else None
@@ -541,13 +580,26 @@ class _Search:
             graph = _build_graph(model.name if hasattr(model, "name") else "model", n, self.edges, parents)
         sometimes = self.sometimes
         return ExploreResult(
-            model=getattr(model, "name", type(model).__name__), states=n, transitions=self.transitions,
-            depth=depth_reached, seconds=self.seconds, violations=tuple(found["violation"]),
-            deadlocks=tuple(found["deadlock"]), invariant_failures=tuple(found["state-invariant"]),
-            unmet_sometimes=tuple(self.unmet), met_sometimes=tuple(s for s in sometimes if s in self.met),
-            complete=not self.stopped, truncated=self.truncated, symmetry=self.sym_mode,
-            fingerprint=self.fingerprint, bytes_per_state=bps, collision_probability=coll,
-            monitor_states=len(self.mons.keys), graph=graph, header=self.header, memory=memory,
+            model=getattr(model, "name", type(model).__name__),
+            states=n,
+            transitions=self.transitions,
+            depth=depth_reached,
+            seconds=self.seconds,
+            violations=tuple(found["violation"]),
+            deadlocks=tuple(found["deadlock"]),
+            invariant_failures=tuple(found["state-invariant"]),
+            unmet_sometimes=tuple(self.unmet),
+            met_sometimes=tuple(s for s in sometimes if s in self.met),
+            complete=not self.stopped,
+            truncated=self.truncated,
+            symmetry=self.sym_mode,
+            fingerprint=self.fingerprint,
+            bytes_per_state=bps,
+            collision_probability=coll,
+            monitor_states=len(self.mons.keys),
+            graph=graph,
+            header=self.header,
+            memory=memory,
             stopped_by=(self.stopped_by or "counterexample") if self.stopped else None,
         )
 

@@ -5,7 +5,8 @@ backend's verdicts on the history as written)."""
 from __future__ import annotations
 
 from array import array
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..spec._history import HistoryHeader
 from ..spec._monitor import Monitor, Violation
@@ -42,7 +43,9 @@ def rerun(model: Any, initial: int, action_indices: Sequence[int]) -> tuple[list
     for i, ai in enumerate(action_indices, 1):
         act = model.actions(state)[ai]
         state, events = model.step(state, act)
-        steps.append(Step(i, getattr(act, "actor", "?"), act, tuple(events), bool(getattr(act, "fault", False))))
+        steps.append(
+            Step(i, getattr(act, "actor", "?"), act, tuple(events), bool(getattr(act, "fault", False)))
+        )
     return steps, state
 
 

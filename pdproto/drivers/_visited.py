@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import sys
 from array import array
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 _BAD = object()  # marks a violating transition's target in the visited set
 _PAIR = object()  # tags (state, monitor id) keys; a model state can never hold it
@@ -227,8 +228,13 @@ def _key_bytes(visited: set, interner: _Interner | None) -> int:
             for i in range(len(k) - 2):
                 if i not in active:
                     total += _deep_size(k[i], seen)
-        elif isinstance(k, tuple) and k and k[0] is not _BAD and k[0] is not _PAIR and (
-                flat.get(type(k)) if type(k) in flat else flat.setdefault(type(k), _flat_type(type(k)))):
+        elif (
+            isinstance(k, tuple)
+            and k
+            and k[0] is not _BAD
+            and k[0] is not _PAIR
+            and (flat.get(type(k)) if type(k) in flat else flat.setdefault(type(k), _flat_type(type(k))))
+        ):
             for i in range(len(k)):  # a bare flat state (monitor id 0)
                 if i not in active:
                     total += _deep_size(k[i], seen)

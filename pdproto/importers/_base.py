@@ -27,7 +27,8 @@ import shutil
 import stat
 import sys
 import tempfile
-from typing import IO, Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Any, ClassVar
 
 import attrs
 
@@ -145,7 +146,7 @@ class Pattern:
 
     name: str
     anchor: str
-    regex: "re.Pattern[str]"
+    regex: re.Pattern[str]
     handler: str
     level: str
 
@@ -154,7 +155,7 @@ class Bounded:
     """A set that forgets its oldest members beyond ``limit``."""
 
     def __init__(self, limit: int = MAX_TRACKED) -> None:
-        self._items: "collections.OrderedDict[object, None]" = collections.OrderedDict()
+        self._items: collections.OrderedDict[object, None] = collections.OrderedDict()
         self._limit = limit
 
     def add(self, item: object) -> bool:
@@ -192,7 +193,7 @@ class LogImporter:
     POLICY: ClassVar[str] = "push"
     PATTERNS: ClassVar[Sequence[Pattern]] = ()
     KEYWORDS: ClassVar[tuple[str, ...]] = ()
-    HANDOFF: ClassVar[tuple["re.Pattern[str]", ...]] = (re.compile(r"(?!)"),)
+    HANDOFF: ClassVar[tuple[re.Pattern[str], ...]] = (re.compile(r"(?!)"),)
     KINDS: ClassVar[tuple[str, ...]] = ()
     DEBUG_KINDS: ClassVar[tuple[str, ...]] = ()
     #: the fields each observed kind records (a kind not here records all)
@@ -213,10 +214,11 @@ class LogImporter:
         #: request ids to write differently in events already spooled (an id
         #: learnt to be another name of a request after its first events)
         self.renames: dict[str, str] = {}
-        self._handlers = [(p.name, p.anchor, p.regex, getattr(self, p.handler), p.level == "DEBUG")
-                          for p in self.PATTERNS]
+        self._handlers = [
+            (p.name, p.anchor, p.regex, getattr(self, p.handler), p.level == "DEBUG") for p in self.PATTERNS
+        ]
 
-    def known(self, match: "re.Match[str]") -> list:
+    def known(self, match: re.Match[str]) -> list:
         """The handler of a known line that means no event."""
         return []
 
@@ -317,8 +319,10 @@ class LogImporter:
             complete=False,
             features={"observed"},
             observed=self.observation() if observation is None else observation,
-            extra={"description": f"imported from a {self.ENGINE} log by pdproto import",
-                   "source": self.SOURCE},
+            extra={
+                "description": f"imported from a {self.ENGINE} log by pdproto import",
+                "source": self.SOURCE,
+            },
         )
 
 
@@ -382,7 +386,9 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
                     spool.rename(renames)
                     renames.clear()
         except OSError as exc:  # reading the log (or writing the spool) failed midway
-            raise UsageError("LOG", log, f"a log that can be read to its end ({exc.strerror or exc})") from None
+            raise UsageError(
+                "LOG", log, f"a log that can be read to its end ({exc.strerror or exc})"
+            ) from None
         spooled = spool.file
         header = importer.header()
         keep = frozenset(header.observed.kinds)
@@ -391,7 +397,9 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         spooled.readline()
 
         def copy(stream: IO[str]) -> tuple[int, int]:
-            return _copy_events(spooled, total, stream, importer.renames, keep if written - keep else None, left_out)
+            return _copy_events(
+                spooled, total, stream, importer.renames, keep if written - keep else None, left_out
+            )
 
         if out is None or not isinstance(out, str):
             stream = sys.stdout if out is None else out
@@ -436,15 +444,21 @@ class _Spool:
         self.file.close()
         self.file, self.write = new, new.write
 
-    def __enter__(self) -> "_Spool":
+    def __enter__(self) -> _Spool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.file.close()
 
 
-def _copy_events(spool: IO[str], total: int, stream: IO[str], renames: Mapping[str, str],
-                 keep: frozenset[str] | None, left_out: frozenset[str]) -> tuple[int, int]:
+def _copy_events(
+    spool: IO[str],
+    total: int,
+    stream: IO[str],
+    renames: Mapping[str, str],
+    keep: frozenset[str] | None,
+    left_out: frozenset[str],
+) -> tuple[int, int]:
     """Copy the ``total`` spooled events to ``stream``, each request id in
     ``renames`` written as its new name, only (``keep`` not None) the events
     of the kinds in ``keep``, none of a request (by its new name) in
@@ -457,7 +471,7 @@ def _copy_events(spool: IO[str], total: int, stream: IO[str], renames: Mapping[s
     # The spool's lines are the writer's JSON: '{"ev": "KIND", ...' with the
     # request as '"request": "ID"'; an id with an escape is read as JSON.
     for line in spool:
-        if keep is not None and line[8:line.index('"', 8)] not in keep:
+        if keep is not None and line[8 : line.index('"', 8)] not in keep:
             dropped += 1
             continue
         start = line.find(_REQUEST_KEY)
@@ -479,7 +493,7 @@ def _copy_events(spool: IO[str], total: int, stream: IO[str], renames: Mapping[s
             new = renames.get(request)
             if new is not None:
                 request = new
-                line = line[:start - 1] + json.dumps(new) + line[end + 1:]
+                line = line[: start - 1] + json.dumps(new) + line[end + 1 :]
         if request in left_out:
             dropped += 1
             continue
@@ -488,7 +502,9 @@ def _copy_events(spool: IO[str], total: int, stream: IO[str], renames: Mapping[s
     return count, dropped
 
 
-def _write_atomically(path: str, header: HistoryHeader, copy: Callable[[IO[str]], tuple[int, int]]) -> tuple[int, int]:
+def _write_atomically(
+    path: str, header: HistoryHeader, copy: Callable[[IO[str]], tuple[int, int]]
+) -> tuple[int, int]:
     """Write ``header`` and ``copy``'s events to a temporary file beside
     ``path`` and rename it over ``path``; the file gets the mode of the one
     it replaces, or that of a new file under the umask.  A file system error

@@ -52,24 +52,39 @@ class DynamoImporter(LogImporter):
     DEBUG_KINDS = ("cancel",)
     RECORDS = {"cancel": ("request", "reason")}
     DEBUG_MARKS = (" DEBUG ", '"level":"DEBUG"', '"level": "DEBUG"')
-    HANDOFF: ClassVar[tuple["re.Pattern[str]", ...]] = (
+    HANDOFF: ClassVar[tuple[re.Pattern[str], ...]] = (
         re.compile(r"(?i)\brequest(?:_id)?\b"),
         re.compile(r"(?i)\b(?:prefill|kv|free|transfer)\w*"),
     )
     PATTERNS = (
-        Pattern("mark_prefill_failed", "Failed to mark prefill completed",
-                re.compile(r"Failed to mark prefill completed(?: for request)?" + _ID), "known", "WARN"),
-        Pattern("free_failed", "Failed to free request",
-                re.compile(r"Failed to free request" + _ID), "known", "WARN"),
-        Pattern("cancelled", "cancelled, ending stream",
-                re.compile(r"Request(?: (?P<id>[^\s\"']+))? cancelled, ending stream"), "_cancelled", "DEBUG"),
+        Pattern(
+            "mark_prefill_failed",
+            "Failed to mark prefill completed",
+            re.compile(r"Failed to mark prefill completed(?: for request)?" + _ID),
+            "known",
+            "WARN",
+        ),
+        Pattern(
+            "free_failed",
+            "Failed to free request",
+            re.compile(r"Failed to free request" + _ID),
+            "known",
+            "WARN",
+        ),
+        Pattern(
+            "cancelled",
+            "cancelled, ending stream",
+            re.compile(r"Request(?: (?P<id>[^\s\"']+))? cancelled, ending stream"),
+            "_cancelled",
+            "DEBUG",
+        ),
     )
 
     def __init__(self) -> None:
         super().__init__()
         self._once = Bounded()
 
-    def _cancelled(self, match: "re.Match[str]") -> list | None:
+    def _cancelled(self, match: re.Match[str]) -> list | None:
         request = match.group("id")
         if request is None:  # the request_id field, before or after the message
             field = _FIELD.search(match.string)

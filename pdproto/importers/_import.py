@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import IO, Mapping
+from collections.abc import Mapping
+from typing import IO
 
 from .._errors import UsageError
 from ._base import ImportResult, LogImporter, run_import

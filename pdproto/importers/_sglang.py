@@ -58,23 +58,52 @@ class SglangImporter(LogImporter):
     KINDS = ("cancel", "fail", "transfer_failed")
     #: the fields each kind records: the request, no generation (SGLang has
     #: none: a retry is a new rid), no transfer id
-    RECORDS = {"transfer_failed": ("request",), "cancel": ("request", "reason"), "fail": ("request", "reason")}
+    RECORDS = {
+        "transfer_failed": ("request",),
+        "cancel": ("request", "reason"),
+        "fail": ("request", "reason"),
+    }
     DEBUG_MARKS = ()  # SGLang lines carry no level
-    HANDOFF: ClassVar[tuple["re.Pattern[str]", ...]] = (
+    HANDOFF: ClassVar[tuple[re.Pattern[str], ...]] = (
         re.compile(r"\b(?:rid|bootstrap_room)=|\brequest\b"),
         re.compile(r"(?i)\b(?:kv|transfer|bootstrap|handshake|rid|bootstrap_room)\b"),
     )
     PATTERNS = (
-        Pattern("prefill_transfer_failed", "Prefill transfer failed for request",
-                re.compile(r"Prefill transfer failed for request " + _IDS), "_transfer", "WARNING"),
-        Pattern("decode_transfer_failed", "Decode transfer failed for request",
-                re.compile(r"Decode transfer failed for request " + _IDS), "_transfer", "ERROR"),
-        Pattern("prefill_bootstrap_failed", "Prefill bootstrap failed for request",
-                re.compile(r"Prefill bootstrap failed for request " + _IDS), "_bootstrap", "WARNING"),
-        Pattern("decode_handshake_failed", "Decode handshake failed for request",
-                re.compile(r"Decode handshake failed for request " + _IDS), "_bootstrap", "ERROR"),
-        Pattern("transfer_timeout_notice", "fail to receive KV Cache transfer done signal",
-                re.compile(r"Some requests fail to receive KV Cache transfer done signal"), "known", "WARNING"),
+        Pattern(
+            "prefill_transfer_failed",
+            "Prefill transfer failed for request",
+            re.compile(r"Prefill transfer failed for request " + _IDS),
+            "_transfer",
+            "WARNING",
+        ),
+        Pattern(
+            "decode_transfer_failed",
+            "Decode transfer failed for request",
+            re.compile(r"Decode transfer failed for request " + _IDS),
+            "_transfer",
+            "ERROR",
+        ),
+        Pattern(
+            "prefill_bootstrap_failed",
+            "Prefill bootstrap failed for request",
+            re.compile(r"Prefill bootstrap failed for request " + _IDS),
+            "_bootstrap",
+            "WARNING",
+        ),
+        Pattern(
+            "decode_handshake_failed",
+            "Decode handshake failed for request",
+            re.compile(r"Decode handshake failed for request " + _IDS),
+            "_bootstrap",
+            "ERROR",
+        ),
+        Pattern(
+            "transfer_timeout_notice",
+            "fail to receive KV Cache transfer done signal",
+            re.compile(r"Some requests fail to receive KV Cache transfer done signal"),
+            "known",
+            "WARNING",
+        ),
     )
 
     def __init__(self) -> None:
@@ -85,16 +114,15 @@ class SglangImporter(LogImporter):
     def _ending(self, request: str, rest: str, what: str) -> list:
         return [_end(request, rest, what)] if self._ended.add(request) else []
 
-    def _transfer(self, match: "re.Match[str]") -> list:
+    def _transfer(self, match: re.Match[str]) -> list:
         rank, request, room, rest = match.groups()
         out = []
         if _ABORTED in rest:  # the client's abort, reported on the failure path: no transfer failed
             return self._ending(request, rest, "abort")
         if self._failed.add((request, room)):
-            out.append({"ev": "transfer_failed", "request": request, "ticket": room,
-                        "rank": int(rank)})
+            out.append({"ev": "transfer_failed", "request": request, "ticket": room, "rank": int(rank)})
         return out + self._ending(request, rest, "transfer failed")
 
-    def _bootstrap(self, match: "re.Match[str]") -> list:
+    def _bootstrap(self, match: re.Match[str]) -> list:
         _, request, room, rest = match.groups()
         return self._ending(request, rest, "bootstrap failed")

@@ -66,7 +66,7 @@ _REQUEST_ID = re.compile(r"""['"]request_id['"]:\s*(?:'([^']*)'|"([^"]*)"|None)"
 _REMOTE_REQUEST_ID = re.compile(r"""['"]remote_request_id['"]:\s*(?:'([^']*)'|"([^"]*)")""")
 
 
-def _id(pattern: "re.Pattern[str]", text: str) -> str | None:
+def _id(pattern: re.Pattern[str], text: str) -> str | None:
     found = pattern.search(text)
     return (found.group(1) or found.group(2)) if found else None
 
@@ -95,39 +95,92 @@ class VllmImporter(LogImporter):
         "cancel": ("request", "reason"),
         "fail": ("request", "reason"),
     }
-    HANDOFF: ClassVar[tuple["re.Pattern[str]", ...]] = (
+    HANDOFF: ClassVar[tuple[re.Pattern[str], ...]] = (
         re.compile(r"\brequest\b|\breq(?:uest)?_id\b"),
         re.compile(r"(?i)\b(?:kv|nixl|transfer|blocks?|lease)\b"),
     )
     # the most frequent first: a line is tried against each anchor in turn
     PATTERNS = (
-        Pattern("get_num_new_matched_tokens", "get_num_new_matched_tokens",
-                re.compile(r"get_num_new_matched_tokens: num_computed_tokens="), "known", "DEBUG"),
-        Pattern("update_state_after_alloc", "update_state_after_alloc",
-                re.compile(r"update_state_after_alloc: num_external_tokens="), "known", "DEBUG"),
-        Pattern("request_finished", "request_finished(",
-                re.compile(r"request_finished\((.+?)\), request_status=(\S+), kv_transfer_params=(.*)$"),
-                "_request_finished", "DEBUG"),
-        Pattern("request_finished_waiting", "request_finished(",
-                re.compile(r"request_finished\((.+?)\) waiting for \d+ seconds"), "known", "DEBUG"),
-        Pattern("finished_recving", "Finished recving KV transfer",
-                re.compile(r'Finished recving KV transfer for request ([^\s"]+)'), "_finished_recving", "DEBUG"),
-        Pattern("finished_sending", "Finished sending KV transfer",
-                re.compile(r'Finished sending KV transfer for request ([^\s"]+)'), "_finished_sending", "DEBUG"),
-        Pattern("lease_expired", "Releasing expired KV blocks",
-                re.compile(r'Releasing expired KV blocks for request ([^\s"]+) which were retrieved by (\d+) '
-                           r"(?:remote|decode) worker\(s\)"),
-                "_lease_expired", "WARNING"),
-        Pattern("read_after_expiry", "Potentially invalid KV blocks",
-                re.compile(r'Potentially invalid KV blocks for unrecognized request ([^\s"]+) were retrieved'),
-                "_late_read", "ERROR"),
-        Pattern("transfer_failure", "NIXL transfer failure",
-                re.compile(r"NIXL transfer failure: ([A-Za-z_]+)\S*.*? \| Context: (.*)$"),
-                "_failure", "ERROR"),
-        Pattern("heartbeat", "Heartbeat extended lease",
-                re.compile(r"Heartbeat extended lease for request \S+"), "known", "DEBUG"),
-        Pattern("get_finished", "get_finished:",
-                re.compile(r"get_finished: \d+ requests done sending"), "known", "DEBUG"),
+        Pattern(
+            "get_num_new_matched_tokens",
+            "get_num_new_matched_tokens",
+            re.compile(r"get_num_new_matched_tokens: num_computed_tokens="),
+            "known",
+            "DEBUG",
+        ),
+        Pattern(
+            "update_state_after_alloc",
+            "update_state_after_alloc",
+            re.compile(r"update_state_after_alloc: num_external_tokens="),
+            "known",
+            "DEBUG",
+        ),
+        Pattern(
+            "request_finished",
+            "request_finished(",
+            re.compile(r"request_finished\((.+?)\), request_status=(\S+), kv_transfer_params=(.*)$"),
+            "_request_finished",
+            "DEBUG",
+        ),
+        Pattern(
+            "request_finished_waiting",
+            "request_finished(",
+            re.compile(r"request_finished\((.+?)\) waiting for \d+ seconds"),
+            "known",
+            "DEBUG",
+        ),
+        Pattern(
+            "finished_recving",
+            "Finished recving KV transfer",
+            re.compile(r'Finished recving KV transfer for request ([^\s"]+)'),
+            "_finished_recving",
+            "DEBUG",
+        ),
+        Pattern(
+            "finished_sending",
+            "Finished sending KV transfer",
+            re.compile(r'Finished sending KV transfer for request ([^\s"]+)'),
+            "_finished_sending",
+            "DEBUG",
+        ),
+        Pattern(
+            "lease_expired",
+            "Releasing expired KV blocks",
+            re.compile(
+                r'Releasing expired KV blocks for request ([^\s"]+) which were retrieved by (\d+) '
+                r"(?:remote|decode) worker\(s\)"
+            ),
+            "_lease_expired",
+            "WARNING",
+        ),
+        Pattern(
+            "read_after_expiry",
+            "Potentially invalid KV blocks",
+            re.compile(r'Potentially invalid KV blocks for unrecognized request ([^\s"]+) were retrieved'),
+            "_late_read",
+            "ERROR",
+        ),
+        Pattern(
+            "transfer_failure",
+            "NIXL transfer failure",
+            re.compile(r"NIXL transfer failure: ([A-Za-z_]+)\S*.*? \| Context: (.*)$"),
+            "_failure",
+            "ERROR",
+        ),
+        Pattern(
+            "heartbeat",
+            "Heartbeat extended lease",
+            re.compile(r"Heartbeat extended lease for request \S+"),
+            "known",
+            "DEBUG",
+        ),
+        Pattern(
+            "get_finished",
+            "get_finished:",
+            re.compile(r"get_finished: \d+ requests done sending"),
+            "known",
+            "DEBUG",
+        ),
     )
 
     def __init__(self) -> None:
@@ -140,7 +193,7 @@ class VllmImporter(LogImporter):
         #: D id -> P id of the D requests whose name on P is known (the
         #: oldest forgotten beyond MAX_TRACKED: a D request's lines after its
         #: link are those of its own end)
-        self._name: "collections.OrderedDict[str, str]" = collections.OrderedDict()
+        self._name: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._unnamed: set[str] = set()  # D requests with events written, their name on P not yet known
         # Pairing, when the log holds both sides: a request the history names
         # must have its events of both sides in it (an observed kind is
@@ -218,7 +271,7 @@ class VllmImporter(LogImporter):
             return d_request
         return name
 
-    def _request_finished(self, match: "re.Match[str]") -> list:
+    def _request_finished(self, match: re.Match[str]) -> list:
         request, status, params = match.group(1), _status(match.group(2)), match.group(3)
         if params.strip() in ("None", "{}", ""):
             return []  # not a P/D request
@@ -230,8 +283,10 @@ class VllmImporter(LogImporter):
             self._p(request)
             if kind == "finish":
                 return []  # P's part is over; its blocks are held for D's READ (a lease)
-            return [{"ev": kind, "request": request, "reason": reason},
-                    {"ev": "free", "worker": P, "request": request}]
+            return [
+                {"ev": kind, "request": request, "reason": reason},
+                {"ev": "free", "worker": P, "request": request},
+            ]
         # D's params name the request on P (remote_request_id: each instance
         # suffixes the id); without it (older vLLM) both sides share the id
         self._link(request, _id(_REMOTE_REQUEST_ID, params) or request)
@@ -246,21 +301,24 @@ class VllmImporter(LogImporter):
         self._cancelled.add(d_request)
         return [ended]
 
-    def _finished_sending(self, match: "re.Match[str]") -> list:
+    def _finished_sending(self, match: re.Match[str]) -> list:
         request = self._p(match.group(1))
         if self._expired.discard(request):
             return []  # the expiry's free, written at the expiry line
-        return [{"ev": "transfer_read_done", "request": request, "src": P},
-                {"ev": "free", "worker": P, "request": request}]
+        return [
+            {"ev": "transfer_read_done", "request": request, "src": P},
+            {"ev": "free", "worker": P, "request": request},
+        ]
 
-    def _finished_recving(self, match: "re.Match[str]") -> list:
+    def _finished_recving(self, match: re.Match[str]) -> list:
         d_request = match.group(1)
         request = self._d(d_request)
         # a failed READ is reported as finished too (with its blocks invalid):
         # its failure line came first, and nothing was written
         failed = self._failed.discard(d_request)
-        out: list[dict[str, Any]] = [] if failed else [
-            {"ev": "transfer_write_done", "request": request, "dst": D}]
+        out: list[dict[str, Any]] = (
+            [] if failed else [{"ev": "transfer_write_done", "request": request, "dst": D}]
+        )
         if self._cancelled.discard(d_request):
             out.append({"ev": "free", "worker": D, "request": request})
         else:
@@ -269,22 +327,35 @@ class VllmImporter(LogImporter):
             self._unnamed.discard(d_request)  # nothing written under this name
         return out
 
-    def _lease_expired(self, match: "re.Match[str]") -> list:
+    def _lease_expired(self, match: re.Match[str]) -> list:
         request = self._p(match.group(1))
         if not self._once.add(("expired", request)):
             return []
         self._expired.add(request)
-        return [{"ev": "free", "worker": P, "request": request,
-                 "reason": "lease expired", "retrieved_by": int(match.group(2))}]
+        return [
+            {
+                "ev": "free",
+                "worker": P,
+                "request": request,
+                "reason": "lease expired",
+                "retrieved_by": int(match.group(2)),
+            }
+        ]
 
-    def _late_read(self, match: "re.Match[str]") -> list:
+    def _late_read(self, match: re.Match[str]) -> list:
         request = self._p(match.group(1))
         if not self._once.add(("late_read", request)):
             return []
-        return [{"ev": "transfer_read_done", "request": request, "src": P,
-                 "reason": "read by a decode worker after P released it"}]
+        return [
+            {
+                "ev": "transfer_read_done",
+                "request": request,
+                "src": P,
+                "reason": "read by a decode worker after P released it",
+            }
+        ]
 
-    def _failure(self, match: "re.Match[str]") -> list | None:
+    def _failure(self, match: re.Match[str]) -> list | None:
         failure, context = match.group(1), match.group(2)
         if failure in _NO_EVENT_TYPES:
             return []

@@ -4,7 +4,8 @@ in one run."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -117,15 +118,19 @@ class ModelConfig:
     def __attrs_post_init__(self) -> None:
         if self.prefix_cache and self.prefix_blocks < 1:
             raise UsageError(
-                "prefix_cache with prompt_len", self.prompt_len,
+                "prefix_cache with prompt_len",
+                self.prompt_len,
                 f"a prompt longer than one block (block_size {self.block_size}): the cached prefix is "
                 "the full blocks before the last prompt token",
             )
         if self.layerwise and self.chunks < 2:
             raise UsageError("chunks with layerwise", self.chunks, "an integer >= 2 (one layer per chunk)")
         if not self.layerwise and self.chunks > self.prompt_len:
-            raise UsageError("chunks", self.chunks, f"at most prompt_len ({self.prompt_len}): a chunk moves "
-                             "at least one position")
+            raise UsageError(
+                "chunks",
+                self.chunks,
+                f"at most prompt_len ({self.prompt_len}): a chunk moves at least one position",
+            )
 
     @property
     def mode(self) -> str:
@@ -133,10 +138,23 @@ class ModelConfig:
         return self.policy
 
     def __hash__(self) -> int:  # faults is a dict; hash its items
-        return hash((self.policy, self.requests, self.prefill_workers, self.decode_workers,
-                     self.blocks, self.block_size, self.prompt_len, self.max_new_tokens,
-                     tuple(sorted(self.faults.items())), self.prefix_cache, self.chunks, self.layerwise,
-                     self.heartbeat))
+        return hash(
+            (
+                self.policy,
+                self.requests,
+                self.prefill_workers,
+                self.decode_workers,
+                self.blocks,
+                self.block_size,
+                self.prompt_len,
+                self.max_new_tokens,
+                tuple(sorted(self.faults.items())),
+                self.prefix_cache,
+                self.chunks,
+                self.layerwise,
+                self.heartbeat,
+            )
+        )
 
     @property
     def prefix_blocks(self) -> int:
@@ -166,7 +184,7 @@ class ModelConfig:
         return -(-self.prompt_len // self.block_size)
 
     @classmethod
-    def all_faults(cls, budget: int = 1, **kwargs: object) -> "ModelConfig":
+    def all_faults(cls, budget: int = 1, **kwargs: object) -> ModelConfig:
         """A configuration with every fault kind at ``budget``."""
         return cls(faults={kind: budget for kind in FAULT_KINDS}, **kwargs)  # type: ignore[arg-type]
 
@@ -186,7 +204,9 @@ def parse_faults(text: str) -> dict[str, int]:
         name, sep, value = part.strip().partition("=")
         name = name.strip()
         if not sep:
-            raise UsageError("--faults entry", part.strip(), "KIND=N with N an integer >= 0, e.g. cancel=1,dup=1")
+            raise UsageError(
+                "--faults entry", part.strip(), "KIND=N with N an integer >= 0, e.g. cancel=1,dup=1"
+            )
         budget = parse_int(value, f"budget in --faults {part.strip()}", minimum=0, maximum=MAX_FAULT_BUDGET)
         if name == "all":
             out.update({kind: budget for kind in FAULT_KINDS})

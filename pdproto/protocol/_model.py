@@ -12,7 +12,8 @@ Drivers judge a model only through the events it emits, with the
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 

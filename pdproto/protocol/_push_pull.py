@@ -13,14 +13,52 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec._events import Free, PrefillDone, PrefillStart, Reserve, Restart, Share, Submit, TransferFailed
-from ..spec._events import TransferAbort, TransferReadDone, TransferWriteDone
+from ..spec._events import (
+    Free,
+    PrefillDone,
+    PrefillStart,
+    Reserve,
+    Restart,
+    Share,
+    Submit,
+    TransferAbort,
+    TransferFailed,
+    TransferReadDone,
+    TransferWriteDone,
+)
 from ._config import FAULT_KINDS
 from ._rules import Kind, Rule, RuleBook, RuleTable
-from ._state import COMMITTED, FAILED, LIVE, PREFILLED, PREFILLING, QUEUED, RESERVED, TRANSFERRING, WAITING
-from ._state import CANCELLED, FINISHED, Phase, Req, Xfer, XferState
-from ._state import NOTIFY, READY, RELEASE, with_aborted, with_dst, with_msgs, with_ph, with_src, with_xfers, with_xs
-from ._state import NO_PREFIX, OWN_PREFIX, SHARED_PREFIX, with_pfx
+from ._state import (
+    CANCELLED,
+    COMMITTED,
+    FAILED,
+    FINISHED,
+    LIVE,
+    NO_PREFIX,
+    NOTIFY,
+    OWN_PREFIX,
+    PREFILLED,
+    PREFILLING,
+    QUEUED,
+    READY,
+    RELEASE,
+    RESERVED,
+    SHARED_PREFIX,
+    TRANSFERRING,
+    WAITING,
+    Phase,
+    Req,
+    Xfer,
+    XferState,
+    with_aborted,
+    with_dst,
+    with_msgs,
+    with_pfx,
+    with_ph,
+    with_src,
+    with_xfers,
+    with_xs,
+)
 
 __all__ = ["PUSH", "PULL", "REFERENCE"]
 
@@ -251,8 +289,13 @@ def lose(m: Any, s: Any, i: int, msg: Any, ev: list) -> Any:
 
 def notify_awaited(m: Any, s: Any, msg: Any, q: Req) -> bool:
     return (
-        q.gen == msg.gen and q.end is LIVE and q.ph is TRANSFERRING and q.xs is DONE
-        and bool(q.dst) and q.dinc == s.inc[q.d] and msg.to == q.d
+        q.gen == msg.gen
+        and q.end is LIVE
+        and q.ph is TRANSFERRING
+        and q.xs is DONE
+        and bool(q.dst)
+        and q.dinc == s.inc[q.d]
+        and msg.to == q.d
     )
 
 
@@ -271,7 +314,9 @@ def recv_ready(m: Any, s: Any, msg: Any, q: Req, ev: list) -> Any:
 
 
 def release_awaited(m: Any, s: Any, msg: Any, q: Req) -> bool:
-    return q.gen == msg.gen and bool(q.src) and q.pinc == s.inc[q.p] and q.xs is DONE and m.xfer_of(s, msg.r) < 0
+    return (
+        q.gen == msg.gen and bool(q.src) and q.pinc == s.inc[q.p] and q.xs is DONE and m.xfer_of(s, msg.r) < 0
+    )
 
 
 def recv_release(m: Any, s: Any, msg: Any, q: Req, ev: list) -> Any:
@@ -294,14 +339,17 @@ def restart(m: Any, s: Any, w: int, ev: list) -> Any:
     inc = s.inc[:w] + (s.inc[w] + 1,) + s.inc[w + 1 :]
     ev.append(Restart(m.wname[w], inc[w]))
     xfers = tuple(
-        x._replace(doomed=True, dst_lost=x.dst_lost or x.d == w) if (x.p == w or x.d == w) else x for x in s.xfers
+        x._replace(doomed=True, dst_lost=x.dst_lost or x.d == w) if (x.p == w or x.d == w) else x
+        for x in s.xfers
     )
     reqs = list(s.reqs)
     ended = []
     for r, q in enumerate(reqs):
         if q.gen < 0:
             continue
-        involved = (q.p == w and (bool(q.src) or q.ph is PREFILLING)) or (q.d == w and (bool(q.dst) or q.ph is WAITING))
+        involved = (q.p == w and (bool(q.src) or q.ph is PREFILLING)) or (
+            q.d == w and (bool(q.dst) or q.ph is WAITING)
+        )
         involved = involved or any(x.r == r and x.gen == q.gen and (x.p == w or x.d == w) for x in s.xfers)
         if q.p == w:
             q = with_src(q, ())
@@ -360,167 +408,455 @@ R, T, M, W, H = Kind.REQUEST, Kind.TRANSFER, Kind.MESSAGE, Kind.WORKER, Kind.HAN
 CLEANUP = ("cleanup",)
 
 SUBMIT = Rule(
-    "submit", Kind.CLIENT, "client", "request not yet submitted (requests arrive in order)",
-    "gen 0 queued at the router, routed to a P and a D worker", ("submit",), effect=submit,
+    "submit",
+    Kind.CLIENT,
+    "client",
+    "request not yet submitted (requests arrive in order)",
+    "gen 0 queued at the router, routed to a P and a D worker",
+    ("submit",),
+    effect=submit,
 )
 DECODE = Rule(
-    "decode", R, "D", "committed (C), live, fewer than max_new_tokens tokens so far",
-    "one decode step: the first feeds the first token at position prompt_len", ("decode",),
-    may_decode, decode, phases=(COMMITTED,),
+    "decode",
+    R,
+    "D",
+    "committed (C), live, fewer than max_new_tokens tokens so far",
+    "one decode step: the first feeds the first token at position prompt_len",
+    ("decode",),
+    may_decode,
+    decode,
+    phases=(COMMITTED,),
 )
 CANCEL = Rule(
-    "cancel", R, "client", "a live generation, any phase", "the generation is cancelled; cleanup", ("cancel",),
-    None, _end_with(CANCELLED, None), fault="cancel", calls=CLEANUP,
+    "cancel",
+    R,
+    "client",
+    "a live generation, any phase",
+    "the generation is cancelled; cleanup",
+    ("cancel",),
+    None,
+    _end_with(CANCELLED, None),
+    fault="cancel",
+    calls=CLEANUP,
 )
 TIMEOUT = Rule(
-    "timeout", R, "router", "a live generation before commit",
-    "the handoff deadline expires early: the generation fails; cleanup", ("fail",),
-    None, _end_with(FAILED, "timeout"), fault="timeout", phases=BEFORE_COMMIT, calls=CLEANUP, unless="expire",
+    "timeout",
+    R,
+    "router",
+    "a live generation before commit",
+    "the handoff deadline expires early: the generation fails; cleanup",
+    ("fail",),
+    None,
+    _end_with(FAILED, "timeout"),
+    fault="timeout",
+    phases=BEFORE_COMMIT,
+    calls=CLEANUP,
+    unless="expire",
 )
 TRANSFER_RULES = (
-    Rule("xfer_done", T, "xfer", "transfer in flight (aborted or not), neither endpoint restarted",
-         "every read and write landed; the initiator's completion handler runs (next_chunk first)",
-         ("transfer_read_done", "transfer_write_done"), None, xfer_done, calls=("next_chunk", "on_xfer_done"),
-         at=("running", "aborted")),
-    Rule("xfer_fail", T, "xfer", "aborted, or an endpoint restarted", "the transfer ends without success",
-         ("transfer_failed",), None, xfer_fail, calls=("on_xfer_failed",), at=("aborted", "doomed")),
-    Rule("xfer_fault", T, "xfer", "any other transfer in flight", "the data plane fails the transfer",
-         ("transfer_failed",), None, xfer_fail, fault="transfer_fail", action="xfer_fail",
-         calls=("on_xfer_failed",), at=("running",)),
+    Rule(
+        "xfer_done",
+        T,
+        "xfer",
+        "transfer in flight (aborted or not), neither endpoint restarted",
+        "every read and write landed; the initiator's completion handler runs (next_chunk first)",
+        ("transfer_read_done", "transfer_write_done"),
+        None,
+        xfer_done,
+        calls=("next_chunk", "on_xfer_done"),
+        at=("running", "aborted"),
+    ),
+    Rule(
+        "xfer_fail",
+        T,
+        "xfer",
+        "aborted, or an endpoint restarted",
+        "the transfer ends without success",
+        ("transfer_failed",),
+        None,
+        xfer_fail,
+        calls=("on_xfer_failed",),
+        at=("aborted", "doomed"),
+    ),
+    Rule(
+        "xfer_fault",
+        T,
+        "xfer",
+        "any other transfer in flight",
+        "the data plane fails the transfer",
+        ("transfer_failed",),
+        None,
+        xfer_fail,
+        fault="transfer_fail",
+        action="xfer_fail",
+        calls=("on_xfer_failed",),
+        at=("running",),
+    ),
 )
 NEXT_CHUNK = Rule(
-    "next_chunk", H, "initiator", "chunks > 1: a chunk landed, chunks are left, the generation is live, "
-    "the transfer was not aborted", "the initiator starts the next chunk's transfer under the same ticket "
-    "(on_xfer_done runs after the last chunk only)", ("transfer_start",), chunks_left, next_chunk,
+    "next_chunk",
+    H,
+    "initiator",
+    "chunks > 1: a chunk landed, chunks are left, the generation is live, the transfer was not aborted",
+    "the initiator starts the next chunk's transfer under the same ticket "
+    "(on_xfer_done runs after the last chunk only)",
+    ("transfer_start",),
+    chunks_left,
+    next_chunk,
 )
 PREFIX_RULES = (
-    Rule("share_prefix", H, "P", "prefix_cache: a generation on P holds the cached prefix",
-         "prefill_start takes a reference on the prefix blocks (share) and allocates only the rest; "
-         "prefill then computes the positions after the prefix", ("share",), prefix_cached, share_prefix),
-    Rule("publish_prefix", H, "P", "prefix_cache: prefill done, P caches no prefix, the generation shares none",
-         "the generation's first source blocks become P's cached prefix (until their last owner frees them)",
-         (), prefix_uncached, publish_prefix),
+    Rule(
+        "share_prefix",
+        H,
+        "P",
+        "prefix_cache: a generation on P holds the cached prefix",
+        "prefill_start takes a reference on the prefix blocks (share) and allocates only the rest; "
+        "prefill then computes the positions after the prefix",
+        ("share",),
+        prefix_cached,
+        share_prefix,
+    ),
+    Rule(
+        "publish_prefix",
+        H,
+        "P",
+        "prefix_cache: prefill done, P caches no prefix, the generation shares none",
+        "the generation's first source blocks become P's cached prefix (until their last owner frees them)",
+        (),
+        prefix_uncached,
+        publish_prefix,
+    ),
 )
 ON_XFER_FAILED = Rule(
-    "on_xfer_failed", H, "initiator", "a transfer ended without success",
-    "the initiator fails a live generation; cleanup", ("fail",), None, on_xfer_failed, calls=CLEANUP,
+    "on_xfer_failed",
+    H,
+    "initiator",
+    "a transfer ended without success",
+    "the initiator fails a live generation; cleanup",
+    ("fail",),
+    None,
+    on_xfer_failed,
+    calls=CLEANUP,
 )
 RECEIVE = "the receiver runs its recv_ rule; a message of an old incarnation of its sender is dropped"
 MESSAGE_RULES = (
     Rule("deliver", M, "net", "the oldest message in flight", RECEIVE, (), None, deliver, at=("oldest",)),
-    Rule("reorder", M, "net", "a message in flight other than the oldest", RECEIVE, (), None, deliver,
-         fault="reorder", action="deliver", at=("other",)),
-    Rule("dup", M, "net", "a message in flight (not the oldest: also spends reorder)",
-         "the receiver handles it and the message stays in flight", (), dup_allowed, dup, fault="dup"),
+    Rule(
+        "reorder",
+        M,
+        "net",
+        "a message in flight other than the oldest",
+        RECEIVE,
+        (),
+        None,
+        deliver,
+        fault="reorder",
+        action="deliver",
+        at=("other",),
+    ),
+    Rule(
+        "dup",
+        M,
+        "net",
+        "a message in flight (not the oldest: also spends reorder)",
+        "the receiver handles it and the message stays in flight",
+        (),
+        dup_allowed,
+        dup,
+        fault="dup",
+    ),
     Rule("lose", M, "net", "a message in flight", "the message is gone", (), None, lose, fault="loss"),
 )
 WORKER_RULES = (
-    Rule("restart", W, "worker", "a worker holding state",
-         "incarnation+1, its blocks are gone; its transfers can only fail, the targets they write stay "
-         "fenced; the router fails every live generation it held; cleanup on the other workers",
-         ("restart", "fail"), restart_matters, restart, fault="restart", calls=CLEANUP),
-    Rule("fence", H, "D", "a transfer into D of an old incarnation of D is in flight",
-         "its target blocks stay out of D's free pool until the transfer ends", (), fenced),
-    Rule("retry", R, "router", "the generation failed and its cleanup is over",
-         "a new generation gen+1 is queued; fresh ticket and transfer ids", ("submit",),
-         ended_clean, retry, fault="retry", ends=(FAILED,)),
+    Rule(
+        "restart",
+        W,
+        "worker",
+        "a worker holding state",
+        "incarnation+1, its blocks are gone; its transfers can only fail, the targets they write stay "
+        "fenced; the router fails every live generation it held; cleanup on the other workers",
+        ("restart", "fail"),
+        restart_matters,
+        restart,
+        fault="restart",
+        calls=CLEANUP,
+    ),
+    Rule(
+        "fence",
+        H,
+        "D",
+        "a transfer into D of an old incarnation of D is in flight",
+        "its target blocks stay out of D's free pool until the transfer ends",
+        (),
+        fenced,
+    ),
+    Rule(
+        "retry",
+        R,
+        "router",
+        "the generation failed and its cleanup is over",
+        "a new generation gen+1 is queued; fresh ticket and transfer ids",
+        ("submit",),
+        ended_clean,
+        retry,
+        fault="retry",
+        ends=(FAILED,),
+    ),
 )
 CLEANUP_RULES = (
-    Rule("cleanup", H, "every worker", "the generation ended (any path), or its transfer ended after it did",
-         "every worker sees the token: the initiator aborts a transfer in flight; then free_source, free_target",
-         ("transfer_abort",), None, cleanup, calls=("free_source", "free_target")),
-    Rule("free_source", H, "P", "the generation ended and no transfer of it is in flight",
-         "P frees its source blocks (a shared prefix block: drops its reference)", ("free",), untouched,
-         free_source),
-    Rule("free_target", H, "D", "the generation ended and no transfer of it is in flight",
-         "D frees its target blocks", ("free",), untouched, free_target),
+    Rule(
+        "cleanup",
+        H,
+        "every worker",
+        "the generation ended (any path), or its transfer ended after it did",
+        "every worker sees the token: the initiator aborts a transfer in flight; then free_source, free_target",
+        ("transfer_abort",),
+        None,
+        cleanup,
+        calls=("free_source", "free_target"),
+    ),
+    Rule(
+        "free_source",
+        H,
+        "P",
+        "the generation ended and no transfer of it is in flight",
+        "P frees its source blocks (a shared prefix block: drops its reference)",
+        ("free",),
+        untouched,
+        free_source,
+    ),
+    Rule(
+        "free_target",
+        H,
+        "D",
+        "the generation ended and no transfer of it is in flight",
+        "D frees its target blocks",
+        ("free",),
+        untouched,
+        free_target,
+    ),
 )
-
 
 
 def _expire(awaiting: str, phase: Phase, guard: Any) -> Rule:
     return Rule(
-        "expire", R, "router", f"{awaiting} in flight (lost, or dropped as stale)",
-        "the handoff deadline expires: the generation fails; cleanup", ("fail",),
-        guard, _end_with(FAILED, "deadline"), phases=(phase,), calls=CLEANUP,
+        "expire",
+        R,
+        "router",
+        f"{awaiting} in flight (lost, or dropped as stale)",
+        "the handoff deadline expires: the generation fails; cleanup",
+        ("fail",),
+        guard,
+        _end_with(FAILED, "deadline"),
+        phases=(phase,),
+        calls=CLEANUP,
     )
 
 
 def _on_xfer_done(actor: str, then: str, event: str, effect: Any) -> Rule:
     return Rule(
-        "on_xfer_done", H, actor, "the transfer completed", f"an ended generation gets its cleanup; else {then}",
-        (event,), None, effect, calls=CLEANUP,
+        "on_xfer_done",
+        H,
+        actor,
+        "the transfer completed",
+        f"an ended generation gets its cleanup; else {then}",
+        (event,),
+        None,
+        effect,
+        calls=CLEANUP,
     )
 
 
-PUSH = RuleTable("push", (
-    SUBMIT,
-    Rule("reserve", R, "D", "queued (Q) and D has free blocks", "D takes target blocks under ticket t:r:gen",
-         ("reserve",), d_has_room, reserve_push, phases=(QUEUED,)),
-    Rule("prefill_start", R, "P", "reserved (R) and P has free blocks", "P takes source blocks and prefills",
-         ("prefill_start",), p_has_room, prefill_start, phases=(RESERVED,), calls=("share_prefix",)),
-    Rule("prefill_done", R, "P", "prefilling (P)",
-         "first token sampled (not in the KV); P starts writing into D's ticket blocks",
-         ("prefill_done", "transfer_start"), None, prefill_done_push, phases=(PREFILLING,),
-         calls=("publish_prefix",)),
-    *PREFIX_RULES,
-    DECODE,
-    Rule("finish", R, "D", "committed (C), live, max_new_tokens tokens produced",
-         "the generation finishes; cleanup (D frees its target)", ("finish",),
-         may_finish, _end_with(FINISHED, None), phases=(COMMITTED,), calls=CLEANUP),
-    CANCEL,
-    _expire("transfer done and no notify", TRANSFERRING, notify_gone),
-    TIMEOUT,
-    *TRANSFER_RULES,
-    NEXT_CHUNK,
-    _on_xfer_done("P", "P frees its source and sends notify to D", "free", on_xfer_done_push),
-    ON_XFER_FAILED,
-    *MESSAGE_RULES,
-    Rule("recv_notify", H, "D",
-         "notify: same generation, live, awaiting (X), transfer done, D still holds the ticket blocks of "
-         "this incarnation", "D commits", ("commit",), notify_awaited, recv_notify),
-    *WORKER_RULES,
-    *CLEANUP_RULES,
-), phases=(QUEUED, RESERVED, PREFILLING, TRANSFERRING, COMMITTED))
+PUSH = RuleTable(
+    "push",
+    (
+        SUBMIT,
+        Rule(
+            "reserve",
+            R,
+            "D",
+            "queued (Q) and D has free blocks",
+            "D takes target blocks under ticket t:r:gen",
+            ("reserve",),
+            d_has_room,
+            reserve_push,
+            phases=(QUEUED,),
+        ),
+        Rule(
+            "prefill_start",
+            R,
+            "P",
+            "reserved (R) and P has free blocks",
+            "P takes source blocks and prefills",
+            ("prefill_start",),
+            p_has_room,
+            prefill_start,
+            phases=(RESERVED,),
+            calls=("share_prefix",),
+        ),
+        Rule(
+            "prefill_done",
+            R,
+            "P",
+            "prefilling (P)",
+            "first token sampled (not in the KV); P starts writing into D's ticket blocks",
+            ("prefill_done", "transfer_start"),
+            None,
+            prefill_done_push,
+            phases=(PREFILLING,),
+            calls=("publish_prefix",),
+        ),
+        *PREFIX_RULES,
+        DECODE,
+        Rule(
+            "finish",
+            R,
+            "D",
+            "committed (C), live, max_new_tokens tokens produced",
+            "the generation finishes; cleanup (D frees its target)",
+            ("finish",),
+            may_finish,
+            _end_with(FINISHED, None),
+            phases=(COMMITTED,),
+            calls=CLEANUP,
+        ),
+        CANCEL,
+        _expire("transfer done and no notify", TRANSFERRING, notify_gone),
+        TIMEOUT,
+        *TRANSFER_RULES,
+        NEXT_CHUNK,
+        _on_xfer_done("P", "P frees its source and sends notify to D", "free", on_xfer_done_push),
+        ON_XFER_FAILED,
+        *MESSAGE_RULES,
+        Rule(
+            "recv_notify",
+            H,
+            "D",
+            "notify: same generation, live, awaiting (X), transfer done, D still holds the ticket blocks of "
+            "this incarnation",
+            "D commits",
+            ("commit",),
+            notify_awaited,
+            recv_notify,
+        ),
+        *WORKER_RULES,
+        *CLEANUP_RULES,
+    ),
+    phases=(QUEUED, RESERVED, PREFILLING, TRANSFERRING, COMMITTED),
+)
 
-PULL = RuleTable("pull", (
-    SUBMIT,
-    Rule("reserve", R, "D", "queued at D (W) and D has free blocks",
-         "D takes target blocks under ticket t:r:gen and starts reading from P",
-         ("reserve", "transfer_start"), d_has_room, reserve_pull, phases=(WAITING,)),
-    Rule("prefill_start", R, "P", "queued (Q) and P has free blocks", "P takes source blocks and prefills",
-         ("prefill_start",), p_has_room, prefill_start, phases=(QUEUED,), calls=("share_prefix",)),
-    Rule("prefill_done", R, "P", "prefilling (P)", "first token sampled (not in the KV); P sends ready to D",
-         ("prefill_done",), None, prefill_done_pull, phases=(PREFILLING,), calls=("publish_prefix",)),
-    *PREFIX_RULES,
-    DECODE,
-    Rule("finish", R, "D", "committed (C), live, max_new_tokens tokens produced",
-         "the generation finishes; cleanup (D frees its target; P its source if the release has not come)",
-         ("finish",), may_finish, _end_with(FINISHED, None), phases=(COMMITTED,), calls=CLEANUP),
-    Rule("p_lease", R, "P", "committed, P still holds the source, no transfer reads it (release late or lost)",
-         "P's source lease expires: P frees the source", ("free",),
-         source_lease_over, p_lease, fault="timeout", phases=(COMMITTED,)),
-    Rule("lease_expire", R, "P", "heartbeat: prefilled (F), P holds the source, D's heartbeats stopped "
-         "(D restarted since P sent ready)", "P's source lease expires: P frees the source and the router "
-         "fails the generation; cleanup", ("free", "fail"), heartbeat_stopped, lease_expire, fault="timeout",
-         phases=(PREFILLED,), calls=CLEANUP),
-    CANCEL,
-    _expire("prefilled (F) and no ready", PREFILLED, ready_gone),
-    TIMEOUT,
-    *TRANSFER_RULES,
-    NEXT_CHUNK,
-    _on_xfer_done("D", "D commits and sends release to P", "commit", on_xfer_done_pull),
-    ON_XFER_FAILED,
-    *MESSAGE_RULES,
-    Rule("recv_ready", H, "D", "ready: same generation, live, prefilled (F)",
-         "D reserves and starts reading at once if it has free blocks, else queues the generation (W)",
-         ("reserve", "transfer_start"), ready_awaited, recv_ready),
-    Rule("recv_release", H, "P",
-         "release: same generation, P holds the source of this incarnation, transfer done",
-         "P frees the source", ("free",), release_awaited, recv_release),
-    *WORKER_RULES,
-    *CLEANUP_RULES,
-), phases=(QUEUED, PREFILLING, PREFILLED, WAITING, TRANSFERRING, COMMITTED))
+PULL = RuleTable(
+    "pull",
+    (
+        SUBMIT,
+        Rule(
+            "reserve",
+            R,
+            "D",
+            "queued at D (W) and D has free blocks",
+            "D takes target blocks under ticket t:r:gen and starts reading from P",
+            ("reserve", "transfer_start"),
+            d_has_room,
+            reserve_pull,
+            phases=(WAITING,),
+        ),
+        Rule(
+            "prefill_start",
+            R,
+            "P",
+            "queued (Q) and P has free blocks",
+            "P takes source blocks and prefills",
+            ("prefill_start",),
+            p_has_room,
+            prefill_start,
+            phases=(QUEUED,),
+            calls=("share_prefix",),
+        ),
+        Rule(
+            "prefill_done",
+            R,
+            "P",
+            "prefilling (P)",
+            "first token sampled (not in the KV); P sends ready to D",
+            ("prefill_done",),
+            None,
+            prefill_done_pull,
+            phases=(PREFILLING,),
+            calls=("publish_prefix",),
+        ),
+        *PREFIX_RULES,
+        DECODE,
+        Rule(
+            "finish",
+            R,
+            "D",
+            "committed (C), live, max_new_tokens tokens produced",
+            "the generation finishes; cleanup (D frees its target; P its source if the release has not come)",
+            ("finish",),
+            may_finish,
+            _end_with(FINISHED, None),
+            phases=(COMMITTED,),
+            calls=CLEANUP,
+        ),
+        Rule(
+            "p_lease",
+            R,
+            "P",
+            "committed, P still holds the source, no transfer reads it (release late or lost)",
+            "P's source lease expires: P frees the source",
+            ("free",),
+            source_lease_over,
+            p_lease,
+            fault="timeout",
+            phases=(COMMITTED,),
+        ),
+        Rule(
+            "lease_expire",
+            R,
+            "P",
+            "heartbeat: prefilled (F), P holds the source, D's heartbeats stopped "
+            "(D restarted since P sent ready)",
+            "P's source lease expires: P frees the source and the router fails the generation; cleanup",
+            ("free", "fail"),
+            heartbeat_stopped,
+            lease_expire,
+            fault="timeout",
+            phases=(PREFILLED,),
+            calls=CLEANUP,
+        ),
+        CANCEL,
+        _expire("prefilled (F) and no ready", PREFILLED, ready_gone),
+        TIMEOUT,
+        *TRANSFER_RULES,
+        NEXT_CHUNK,
+        _on_xfer_done("D", "D commits and sends release to P", "commit", on_xfer_done_pull),
+        ON_XFER_FAILED,
+        *MESSAGE_RULES,
+        Rule(
+            "recv_ready",
+            H,
+            "D",
+            "ready: same generation, live, prefilled (F)",
+            "D reserves and starts reading at once if it has free blocks, else queues the generation (W)",
+            ("reserve", "transfer_start"),
+            ready_awaited,
+            recv_ready,
+        ),
+        Rule(
+            "recv_release",
+            H,
+            "P",
+            "release: same generation, P holds the source of this incarnation, transfer done",
+            "P frees the source",
+            ("free",),
+            release_awaited,
+            recv_release,
+        ),
+        *WORKER_RULES,
+        *CLEANUP_RULES,
+    ),
+    phases=(QUEUED, PREFILLING, PREFILLED, WAITING, TRANSFERRING, COMMITTED),
+)
 
 #: The reference protocol: both families, by policy.
 REFERENCE = RuleBook(push=PUSH, pull=PULL)

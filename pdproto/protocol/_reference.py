@@ -35,7 +35,8 @@ request is ever stuck.  The model never judges itself: the
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from ..spec._events import Cancel, Commit, Decode, Event, Fail, Finish, TransferStart
 from ..spec._history import HistoryHeader, KVSpec, WorkerSpec
@@ -43,11 +44,41 @@ from ._config import FAULT_KINDS, ModelConfig
 from ._model import Action, ActionNotEnabled, Renaming
 from ._push_pull import REFERENCE
 from ._rules import AT, Kind, Rule, RuleBook, RuleTable
-from ._state import CANCELLED, COMMITTED, FAILED, FINISHED, End, HState, Msg, MsgKind, Phase, Req, Xfer, XferState
-from ._state import SHARED_PREFIX, new, with_end, with_msgs, with_ndec, with_ph, with_reqs, with_xfers, with_xs
+from ._state import (
+    CANCELLED,
+    COMMITTED,
+    FAILED,
+    FINISHED,
+    SHARED_PREFIX,
+    End,
+    HState,
+    Msg,
+    MsgKind,
+    Phase,
+    Req,
+    Xfer,
+    XferState,
+    new,
+    with_end,
+    with_msgs,
+    with_ndec,
+    with_ph,
+    with_reqs,
+    with_xfers,
+    with_xs,
+)
 from ._symmetry import HandoffSymmetry
 
-__all__ = ["HandoffModel", "Handoff", "HState", "Req", "Xfer", "Msg", "transition_table", "transition_table_markdown"]
+__all__ = [
+    "HandoffModel",
+    "Handoff",
+    "HState",
+    "Req",
+    "Xfer",
+    "Msg",
+    "transition_table",
+    "transition_table_markdown",
+]
 
 _RETRY = FAULT_KINDS.index("retry")
 _CANCEL = FAULT_KINDS.index("cancel")
@@ -173,7 +204,9 @@ class HandoffModel:
         """``transfer_id(r, gen, chunk)``, one string object per id."""
         t = self._tids.get((r, gen, chunk))
         if t is None:  # a subclass's transfer_id(r, gen) of format 1 still works without chunks
-            t = self._tids[(r, gen, chunk)] = self.transfer_id(r, gen, chunk) if chunk else self.transfer_id(r, gen)
+            t = self._tids[(r, gen, chunk)] = (
+                self.transfer_id(r, gen, chunk) if chunk else self.transfer_id(r, gen)
+            )
         return t
 
     def tk(self, r: int, gen: int) -> str:
@@ -247,7 +280,8 @@ class HandoffModel:
                 entries: Any = tuple(tuple(_cell(rules, end, ph) for ph in Phase) for end in End)
             elif kind in AT:
                 entries = tuple(
-                    _entries(rules, {r.name: r.guard for r in rules if not r.at or where in r.at}) for where in AT[kind]
+                    _entries(rules, {r.name: r.guard for r in rules if not r.at or where in r.at})
+                    for where in AT[kind]
                 )
             else:
                 entries = _entries(rules)
@@ -295,7 +329,13 @@ class HandoffModel:
         if acts is None:
             rn = self.rname[r]
             acts = cache[r] = tuple(
-                self._intern(rule, rule.actor, (rn, self.wname[p], self.wname[self.np + d]), (r, p, self.np + d), _CLIENT)
+                self._intern(
+                    rule,
+                    rule.actor,
+                    (rn, self.wname[p], self.wname[self.np + d]),
+                    (r, p, self.np + d),
+                    _CLIENT,
+                )
                 for rule in run[3]
                 for p in range(self.np)
                 for d in range(self.nd)
@@ -458,8 +498,20 @@ class HandoffModel:
             first, end = lo // self.bs, _ceil(hi, self.bs)
             src, dst, layers, tokens = q.src[first:end], q.dst[first:end], None, (lo, hi)
         tid = self.tid(r, q.gen, c)
-        ev.append(TransferStart(tid, self.tk(r, q.gen), self.rname[r], q.gen, self.wname[q.p], src,
-                                self.wname[q.d], dst, layers, tokens))
+        ev.append(
+            TransferStart(
+                tid,
+                self.tk(r, q.gen),
+                self.rname[r],
+                q.gen,
+                self.wname[q.p],
+                src,
+                self.wname[q.d],
+                dst,
+                layers,
+                tokens,
+            )
+        )
         s = self.set_req(s, r, q)
         return with_xfers(s, s.xfers + (Xfer(r, q.gen, q.p, src, q.d, dst, chunk=c),))
 
@@ -527,8 +579,14 @@ def _header(config: ModelConfig, workers: dict) -> HistoryHeader:
     """The history header of ``config``'s traces: format 1, or 1.1 with the
     features the configuration uses (``kv.layers`` for layer-wise chunks)."""
     kv = KVSpec(layers=config.chunks) if config.layerwise else None
-    return HistoryHeader(policy=config.policy, complete=True, workers=workers,
-                         extra={"block_size": config.block_size}, features=config.features, kv=kv)
+    return HistoryHeader(
+        policy=config.policy,
+        complete=True,
+        workers=workers,
+        extra={"block_size": config.block_size},
+        features=config.features,
+        kv=kv,
+    )
 
 
 class Handoff:
@@ -558,7 +616,9 @@ class Handoff:
         self.trace.append(action)
         return events
 
-    def run(self, choose: Callable[[tuple[Action, ...]], Action] | None = None, limit: int = 10_000) -> list[Event]:
+    def run(
+        self, choose: Callable[[tuple[Action, ...]], Action] | None = None, limit: int = 10_000
+    ) -> list[Event]:
         """Step until quiet, taking the first non-fault action (or ``choose``'s pick)."""
         for _ in range(limit):
             acts = self.actions

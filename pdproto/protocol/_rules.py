@@ -15,12 +15,13 @@ name: ``REFERENCE.replace("recv_notify", guard=...)``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import attrs
 
 from ..spec._events import EVENT_TYPES
-from ._state import Phase, End
+from ._state import End, Phase
 
 __all__ = ["Kind", "Rule", "RuleTable", "RuleBook", "AT"]
 
@@ -98,7 +99,9 @@ class Rule:
     ends: tuple = attrs.field(default=(End.LIVE,), converter=tuple)
     calls: tuple = attrs.field(default=(), converter=tuple)  # handler rules its effect may run
     unless: str | None = None  # offered only where this other rule of the same kind is not
-    at: tuple = attrs.field(default=(), converter=tuple)  # message/transfer rules: where (see AT); () everywhere
+    at: tuple = attrs.field(
+        default=(), converter=tuple
+    )  # message/transfer rules: where (see AT); () everywhere
     action: str = attrs.field()
 
     @action.default
@@ -122,7 +125,8 @@ class Rule:
             "actor": self.actor,
             "guard": when,
             "effect": self.doc,
-            "events": (", ".join(self.events) or "(none)") + ("; via " + ", ".join(self.calls) if self.calls else ""),
+            "events": (", ".join(self.events) or "(none)")
+            + ("; via " + ", ".join(self.calls) if self.calls else ""),
         }
 
 
@@ -132,13 +136,17 @@ class RuleTable:
     generation of this family passes through, in order (each must be
     reachable: the model's ``sometimes``)."""
 
-    def __init__(self, family: str, rules: tuple[Rule, ...] | list[Rule], phases: tuple[Phase, ...] = ()) -> None:
+    def __init__(
+        self, family: str, rules: tuple[Rule, ...] | list[Rule], phases: tuple[Phase, ...] = ()
+    ) -> None:
         self.family = family
         self.rules = tuple(rules)
         self.phases = tuple(phases)
         for rule in self.rules:
             if not rule.name.isidentifier() or rule.name.startswith("_") or hasattr(RuleTable, rule.name):
-                raise ValueError(f"rule name {rule.name!r}: expected an identifier that names no RuleTable attribute")
+                raise ValueError(
+                    f"rule name {rule.name!r}: expected an identifier that names no RuleTable attribute"
+                )
             if rule.name in self.__dict__:
                 raise ValueError(f"rule name {rule.name!r} appears twice in family {family!r}")
             self.__dict__[rule.name] = rule
@@ -170,7 +178,7 @@ class RuleTable:
     def names(self) -> tuple[str, ...]:
         return tuple(rule.name for rule in self.rules)
 
-    def replace(self, name: str, **changes: Any) -> "RuleTable":
+    def replace(self, name: str, **changes: Any) -> RuleTable:
         """This table with rule ``name`` changed (``guard=``, ``effect=``, ...)."""
         self[name]  # raises on an unknown name
         rules = [attrs.evolve(r, **changes) if r.name == name else r for r in self.rules]
@@ -181,7 +189,10 @@ class RuleTable:
 
     def markdown(self) -> str:
         """The transition table as Markdown."""
-        lines = [f"| rule ({self.family}) | kind | actor | guard | effect | events |", "|---|---|---|---|---|---|"]
+        lines = [
+            f"| rule ({self.family}) | kind | actor | guard | effect | events |",
+            "|---|---|---|---|---|---|",
+        ]
         for row in self.rows():
             cells = (row["action"], row["kind"], row["actor"], row["guard"], row["effect"], row["events"])
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
@@ -206,11 +217,13 @@ class RuleBook(Mapping[str, RuleTable]):
     def __repr__(self) -> str:
         return "RuleBook(" + ", ".join(f"{k}={v!r}" for k, v in self._families.items()) + ")"
 
-    def replace(self, name: str, **changes: Any) -> "RuleBook":
+    def replace(self, name: str, **changes: Any) -> RuleBook:
         """This book with rule ``name`` changed in every family that has it."""
         if not any(name in table for table in self._families.values()):
             raise KeyError(f"no rule {name!r} in any family")
-        return RuleBook(**{
-            policy: table.replace(name, **changes) if name in table else table
-            for policy, table in self._families.items()
-        })
+        return RuleBook(
+            **{
+                policy: table.replace(name, **changes) if name in table else table
+                for policy, table in self._families.items()
+            }
+        )

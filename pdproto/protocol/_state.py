@@ -12,7 +12,8 @@ state, so this order fixes which state of an orbit is explored.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 __all__ = ["Phase", "End", "XferState", "MsgKind", "Req", "Xfer", "Msg", "HState"]
 

@@ -53,7 +53,9 @@ class HandoffSymmetry:
         self.blocks = model.SYMMETRIC_BLOCKS
         self.wperms = self._worker_perms(model.SYMMETRIC_WORKERS)
         self.ident_b = tuple(b for _ in range(self.np + self.nd) for b in range(self.nblocks))
-        self.plain = self.np == 1 and self.nd == 1 and (self.nblocks == 1 or not self.blocks) and self.requests
+        self.plain = (
+            self.np == 1 and self.nd == 1 and (self.nblocks == 1 or not self.blocks) and self.requests
+        )
         self._memo: dict = {}
         self._renamings: dict = {}
 
@@ -112,13 +114,16 @@ class HandoffSymmetry:
         for j, r in enumerate(order):
             rp[r] = j
         reqs_, xfers, msgs, inc, budget = state
-        cstate = new(HState, (
-            tuple(reqs_[r] for r in order),
-            tuple(new(Xfer, (rp[x[0]],) + x[1:]) for x in xfers),
-            tuple(new(Msg, (m[0], rp[m[1]]) + m[2:]) for m in msgs),
-            inc,
-            budget,
-        ))
+        cstate = new(
+            HState,
+            (
+                tuple(reqs_[r] for r in order),
+                tuple(new(Xfer, (rp[x[0]],) + x[1:]) for x in xfers),
+                tuple(new(Msg, (m[0], rp[m[1]]) + m[2:]) for m in msgs),
+                inc,
+                budget,
+            ),
+        )
         return cstate, self.renaming((tuple(rp), self.wperms[0], None))
 
     def _order(self, reqs: tuple, xfers: tuple, msgs: tuple, n: int, wp: tuple, plain: bool) -> list[int]:
@@ -129,23 +134,53 @@ class HandoffSymmetry:
             # one worker per role: a request's own record (block ids aside)
             # usually tells the requests apart; the full signature is needed
             # only on a tie
-            cores = [(q.gen, q.ph, q.end, len(q.src), q.pinc, len(q.dst), q.dinc, q.xs, q.ndec, q.pfx)
-                     for q in reqs[:n]]
+            cores = [
+                (q.gen, q.ph, q.end, len(q.src), q.pinc, len(q.dst), q.dinc, q.xs, q.ndec, q.pfx)
+                for q in reqs[:n]
+            ]
             if len(set(cores)) == n:
                 return sorted(range(n), key=cores.__getitem__)
         sigs = []
         for r in range(n):
             q = reqs[r]
-            sigs.append((
-                (q.gen, q.ph, q.end, wp[q.p], wp[q.d], len(q.src), q.pinc, len(q.dst), q.dinc, q.xs, q.ndec, q.pfx),
-                tuple((i, m.kind, m.gen, wp[m.frm], m.inc, wp[m.to]) for i, m in enumerate(msgs) if m.r == r),
-                tuple(
-                    (i, x.gen, wp[x.p], len(x.src), wp[x.d], len(x.dst), x.aborted, x.doomed, x.dst_lost, x.chunk)
-                    for i, x in enumerate(xfers)
-                    if x.r == r
-                ),
-                r,
-            ))
+            sigs.append(
+                (
+                    (
+                        q.gen,
+                        q.ph,
+                        q.end,
+                        wp[q.p],
+                        wp[q.d],
+                        len(q.src),
+                        q.pinc,
+                        len(q.dst),
+                        q.dinc,
+                        q.xs,
+                        q.ndec,
+                        q.pfx,
+                    ),
+                    tuple(
+                        (i, m.kind, m.gen, wp[m.frm], m.inc, wp[m.to]) for i, m in enumerate(msgs) if m.r == r
+                    ),
+                    tuple(
+                        (
+                            i,
+                            x.gen,
+                            wp[x.p],
+                            len(x.src),
+                            wp[x.d],
+                            len(x.dst),
+                            x.aborted,
+                            x.doomed,
+                            x.dst_lost,
+                            x.chunk,
+                        )
+                        for i, x in enumerate(xfers)
+                        if x.r == r
+                    ),
+                    r,
+                )
+            )
         sigs.sort()
         return [sig[3] for sig in sigs]
 
@@ -212,31 +247,93 @@ class HandoffSymmetry:
         cstate, rkey = best
         return cstate, self.renaming(rkey)
 
-    def _renamed(self, reqs: tuple, xfers: tuple, n: int, order: list, rp: list, wp: tuple, bperm: Any) -> tuple:
+    def _renamed(
+        self, reqs: tuple, xfers: tuple, n: int, order: list, rp: list, wp: tuple, bperm: Any
+    ) -> tuple:
         """The renamed requests and transfers."""
         if bperm is None:
-            creqs = tuple(
-                new(Req, (q.gen, q.ph, q.end, wp[q.p], wp[q.d], q.src, q.pinc, q.dst, q.dinc, q.xs, q.ndec, q.pfx))
-                for q in (reqs[r] for r in order)
-            ) + reqs[n:]
+            creqs = (
+                tuple(
+                    new(
+                        Req,
+                        (
+                            q.gen,
+                            q.ph,
+                            q.end,
+                            wp[q.p],
+                            wp[q.d],
+                            q.src,
+                            q.pinc,
+                            q.dst,
+                            q.dinc,
+                            q.xs,
+                            q.ndec,
+                            q.pfx,
+                        ),
+                    )
+                    for q in (reqs[r] for r in order)
+                )
+                + reqs[n:]
+            )
             cx = tuple(
-                new(Xfer, (rp[x.r], x.gen, wp[x.p], x.src, wp[x.d], x.dst, x.aborted, x.doomed, x.dst_lost, x.chunk))
+                new(
+                    Xfer,
+                    (
+                        rp[x.r],
+                        x.gen,
+                        wp[x.p],
+                        x.src,
+                        wp[x.d],
+                        x.dst,
+                        x.aborted,
+                        x.doomed,
+                        x.dst_lost,
+                        x.chunk,
+                    ),
+                )
                 for x in xfers
             )
             return creqs, cx
         nb = self.nblocks
-        creqs = tuple(
-            new(Req, (
-                q.gen, q.ph, q.end, wp[q.p], wp[q.d], tuple(bperm[q.p * nb + b] for b in q.src), q.pinc,
-                tuple(bperm[q.d * nb + b] for b in q.dst), q.dinc, q.xs, q.ndec, q.pfx,
-            ))
-            for q in (reqs[r] for r in order)
-        ) + reqs[n:]
+        creqs = (
+            tuple(
+                new(
+                    Req,
+                    (
+                        q.gen,
+                        q.ph,
+                        q.end,
+                        wp[q.p],
+                        wp[q.d],
+                        tuple(bperm[q.p * nb + b] for b in q.src),
+                        q.pinc,
+                        tuple(bperm[q.d * nb + b] for b in q.dst),
+                        q.dinc,
+                        q.xs,
+                        q.ndec,
+                        q.pfx,
+                    ),
+                )
+                for q in (reqs[r] for r in order)
+            )
+            + reqs[n:]
+        )
         cx = tuple(
-            new(Xfer, (
-                rp[x.r], x.gen, wp[x.p], tuple(bperm[x.p * nb + b] for b in x.src), wp[x.d],
-                tuple(bperm[x.d * nb + b] for b in x.dst), x.aborted, x.doomed, x.dst_lost, x.chunk,
-            ))
+            new(
+                Xfer,
+                (
+                    rp[x.r],
+                    x.gen,
+                    wp[x.p],
+                    tuple(bperm[x.p * nb + b] for b in x.src),
+                    wp[x.d],
+                    tuple(bperm[x.d * nb + b] for b in x.dst),
+                    x.aborted,
+                    x.doomed,
+                    x.dst_lost,
+                    x.chunk,
+                ),
+            )
             for x in xfers
         )
         return creqs, cx

@@ -4,12 +4,27 @@ same device budget, with every PD handoff emitted as history events and
 judged by the monitor.  Imports only pdproto's errors, version, spec and
 cost (matplotlib lazily, for the plots)."""
 
+from ._engine import ARMS as ARMS
+from ._engine import SimConfig as SimConfig
+from ._engine import SimResult as SimResult
+from ._engine import SimulationCheckError as SimulationCheckError
+from ._engine import latency_for as latency_for
+from ._engine import simulate as simulate
 from ._latency import DEVICES as DEVICES
 from ._latency import MODELS as MODELS
 from ._latency import DeviceSpec as DeviceSpec
 from ._latency import ModelSpec as ModelSpec
 from ._latency import PiecewiseLinear as PiecewiseLinear
 from ._latency import Roofline as Roofline
+from ._metrics import SLO as SLO
+from ._metrics import Metrics as Metrics
+from ._metrics import RequestRecord as RequestRecord
+from ._sweep import SIGNALS as SIGNALS
+from ._sweep import SweepRow as SweepRow
+from ._sweep import cheapest as cheapest
+from ._sweep import max_rate as max_rate
+from ._sweep import signals as signals
+from ._sweep import sweep as sweep
 from ._workload import Arrival as Arrival
 from ._workload import Cancellation as Cancellation
 from ._workload import Lengths as Lengths
@@ -18,21 +33,6 @@ from ._workload import TraceFormatError as TraceFormatError
 from ._workload import WorkloadSpec as WorkloadSpec
 from ._workload import load_trace as load_trace
 from ._workload import make_workload as make_workload
-from ._metrics import SLO as SLO
-from ._metrics import Metrics as Metrics
-from ._metrics import RequestRecord as RequestRecord
-from ._engine import ARMS as ARMS
-from ._engine import SimConfig as SimConfig
-from ._engine import SimResult as SimResult
-from ._engine import SimulationCheckError as SimulationCheckError
-from ._engine import latency_for as latency_for
-from ._engine import simulate as simulate
-from ._sweep import SIGNALS as SIGNALS
-from ._sweep import SweepRow as SweepRow
-from ._sweep import cheapest as cheapest
-from ._sweep import max_rate as max_rate
-from ._sweep import signals as signals
-from ._sweep import sweep as sweep
 
 __all__ = [
     "DEVICES",

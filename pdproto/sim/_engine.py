@@ -53,7 +53,8 @@ import math
 import random
 import time as _time
 from collections import Counter, deque
-from typing import IO, Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, Any
 
 import attrs
 
@@ -252,7 +253,9 @@ class SimulationCheckError(PdprotoError):
     def __init__(self, check: str, detail: str) -> None:
         self.check = check
         self.detail = detail
-        super().__init__(f"simulator self-check {check!r} failed: {detail} (a bug in pdproto; please report it)")
+        super().__init__(
+            f"simulator self-check {check!r} failed: {detail} (a bug in pdproto; please report it)"
+        )
 
 
 class _Abort(Exception):
@@ -261,10 +264,39 @@ class _Abort(Exception):
 
 class _Req:
     __slots__ = (
-        "id", "arrival", "prompt0", "out", "cancel_at", "cancel_phase", "gen", "plen", "produced",
-        "times", "first", "state", "p", "d", "pblocks", "dblocks", "xid", "ticket", "retries",
-        "cancelled", "rejected", "failed", "done_pre", "will_fail", "xbytes", "xready",
-        "pre_dur", "j", "ep", "di", "pstart", "xs", "xe",
+        "id",
+        "arrival",
+        "prompt0",
+        "out",
+        "cancel_at",
+        "cancel_phase",
+        "gen",
+        "plen",
+        "produced",
+        "times",
+        "first",
+        "state",
+        "p",
+        "d",
+        "pblocks",
+        "dblocks",
+        "xid",
+        "ticket",
+        "retries",
+        "cancelled",
+        "rejected",
+        "failed",
+        "done_pre",
+        "will_fail",
+        "xbytes",
+        "xready",
+        "pre_dur",
+        "j",
+        "ep",
+        "di",
+        "pstart",
+        "xs",
+        "xe",
     )
 
     def __init__(self, r: Any) -> None:
@@ -303,10 +335,38 @@ class _Req:
 
 class _Inst:
     __slots__ = (
-        "name", "role", "lat", "nblocks", "free", "waiting", "running", "prefilling", "busy", "batch",
-        "busy_time", "kv_area", "q_area", "last", "preempted", "peak_kv", "steps",
-        "egress", "qtok", "pending", "first", "k", "dtimes", "dbase", "ends", "grows", "ctx", "ndec",
-        "cancels", "mends", "eheap", "version",
+        "name",
+        "role",
+        "lat",
+        "nblocks",
+        "free",
+        "waiting",
+        "running",
+        "prefilling",
+        "busy",
+        "batch",
+        "busy_time",
+        "kv_area",
+        "q_area",
+        "last",
+        "preempted",
+        "peak_kv",
+        "steps",
+        "egress",
+        "qtok",
+        "pending",
+        "first",
+        "k",
+        "dtimes",
+        "dbase",
+        "ends",
+        "grows",
+        "ctx",
+        "ndec",
+        "cancels",
+        "mends",
+        "eheap",
+        "version",
     )
 
     def __init__(self, name: str, role: str, lat: Any, nblocks: int) -> None:
@@ -409,8 +469,17 @@ def simulate(
 
 
 class _Sim:
-    def __init__(self, cfg: SimConfig, sink: Any, monitor: bool, history: IO[str] | None,
-                 decode_events: str, table: Any, sample_dt: float | None, record: Any) -> None:
+    def __init__(
+        self,
+        cfg: SimConfig,
+        sink: Any,
+        monitor: bool,
+        history: IO[str] | None,
+        decode_events: str,
+        table: Any,
+        sample_dt: float | None,
+        record: Any,
+    ) -> None:
         self.cfg = cfg
         self.sink = sink
         self.record = record
@@ -441,8 +510,16 @@ class _Sim:
         self.why_failed: Counter[str] = Counter()
         self.events = 0
         self.violation: dict | None = None
-        self.faults = {"transfer_failures": 0, "timeouts": 0, "retries": 0, "preempted": 0, "rejected": 0,
-                       "cancelled": 0, "failed": 0, "recomputed_tokens": 0}
+        self.faults = {
+            "transfer_failures": 0,
+            "timeouts": 0,
+            "retries": 0,
+            "preempted": 0,
+            "rejected": 0,
+            "cancelled": 0,
+            "failed": 0,
+            "recomputed_tokens": 0,
+        }
         self.xfer = {"count": 0, "bytes": 0, "time": 0.0, "ideal": 0.0}
         self.rq: deque[_Req] = deque()  # PD: waiting for a D reservation
         self.rq_area = 0.0  # its length integrated over time (rq_account)
@@ -461,7 +538,9 @@ class _Sim:
                 roof = lat if isinstance(lat, Roofline) else latency_for(cfg, tp)
                 nb = roof.kv_capacity_tokens(cfg.memory_fraction) // cfg.block_size
             if nb < 1:
-                raise UsageError("kv_blocks", 0, f"room for KV on a {role} instance of tp {tp} (weights fill it)")
+                raise UsageError(
+                    "kv_blocks", 0, f"room for KV on a {role} instance of tp {tp} (weights fill it)"
+                )
             return [_Inst(f"{prefix}{i}", role, lat, nb) for i in range(count)]
 
         if cfg.arm == "pd":
@@ -483,8 +562,12 @@ class _Sim:
         self.writer: HistoryWriter | None = None
         if self.ev_on:
             workers = {i.name: WorkerSpec(i.role, i.nblocks) for i in self.insts}
-            header = HistoryHeader(policy="push", complete=True, workers=workers,
-                                   extra={"description": f"pdproto simulate: {cfg.label()}"})
+            header = HistoryHeader(
+                policy="push",
+                complete=True,
+                workers=workers,
+                extra={"description": f"pdproto simulate: {cfg.label()}"},
+            )
             if monitor:
                 self.mon = Monitor.from_header(header)
                 self.feed = self.mon.feed
@@ -523,7 +606,7 @@ class _Sim:
             return None
         if n <= 0:
             return []
-        out = free[:-n - 1:-1]  # the last n, last first: what n pops give, without n calls
+        out = free[: -n - 1 : -1]  # the last n, last first: what n pops give, without n calls
         del free[-n:]
         return out
 
@@ -600,7 +683,12 @@ class _Sim:
                         self.faults["timeouts"] += 1
                         self.xfer_fail(r, timeout=True)
                 elif kind == _QTIMEOUT:
-                    if obj.state in (_RQ, _PQ) and obj.gen == extra and not obj.cancelled and obj.first is None:
+                    if (
+                        obj.state in (_RQ, _PQ)
+                        and obj.gen == extra
+                        and not obj.cancelled
+                        and obj.first is None
+                    ):
                         self.reject(obj, "queue timeout")
                 if self.d_freed:
                     self.d_freed = False
@@ -617,8 +705,13 @@ class _Sim:
                 ends = self.mon.finish()
                 if ends:
                     v = ends[0]
-                    self.violation = {"invariant": v.invariant, "request": v.request, "time_s": self.now,
-                                      "message": v.message, "event": None}
+                    self.violation = {
+                        "invariant": v.invariant,
+                        "request": v.request,
+                        "time_s": self.now,
+                        "message": v.message,
+                        "event": None,
+                    }
             if self.violation is None:
                 self.self_check()
         except _Abort:
@@ -653,18 +746,24 @@ class _Sim:
         sides measured separately)."""
         if self.finished != self.n or self.ended_twice or self.two_outcomes:
             raise SimulationCheckError(
-                "conservation", f"{self.n} request(s) arrived, {self.finished} end(s) recorded, "
-                f"{self.ended_twice} ended twice, {self.two_outcomes} in two outcomes")
+                "conservation",
+                f"{self.n} request(s) arrived, {self.finished} end(s) recorded, "
+                f"{self.ended_twice} ended twice, {self.two_outcomes} in two outcomes",
+            )
         for inst in self.insts:
             free = inst.free
             if len(free) != inst.nblocks or len(set(free)) != inst.nblocks:
                 raise SimulationCheckError(
-                    "kv-returned", f"{inst.name} has {len(set(free))} distinct free block(s) "
-                    f"({len(free)} entries) of {inst.nblocks} after every request ended")
+                    "kv-returned",
+                    f"{inst.name} has {len(set(free))} distinct free block(s) "
+                    f"({len(free)} entries) of {inst.nblocks} after every request ended",
+                )
         if abs(self.sys_area - self.sojourn) > 1e-9 * max(1.0, self.sojourn):
             raise SimulationCheckError(
-                "littles-law", f"the number in the system integrates to {self.sys_area!r} request-seconds, "
-                f"the requests' sojourns sum to {self.sojourn!r}")
+                "littles-law",
+                f"the number in the system integrates to {self.sys_area!r} request-seconds, "
+                f"the requests' sojourns sum to {self.sojourn!r}",
+            )
 
     def in_system(self, k: int) -> None:
         """The number of requests in the system changes by ``k`` now."""
@@ -876,12 +975,25 @@ class _Sim:
         if r.failed:
             self.faults["failed"] += 1
         if self.sink is not None:
-            self.sink(self.record(
-                id=r.id, arm=self.cfg.arm, arrival=r.arrival, prompt_len=r.prompt0, output_len=r.out,
-                first_token=r.first, finish=self.now if not (r.rejected or r.failed or r.cancelled) else None,
-                token_times=tuple(r.times), rejected=r.rejected, cancelled=r.cancelled, failed=r.failed,
-                retries=r.retries, prefill_start=r.pstart, transfer_start=r.xs, transfer_end=r.xe,
-            ))
+            self.sink(
+                self.record(
+                    id=r.id,
+                    arm=self.cfg.arm,
+                    arrival=r.arrival,
+                    prompt_len=r.prompt0,
+                    output_len=r.out,
+                    first_token=r.first,
+                    finish=self.now if not (r.rejected or r.failed or r.cancelled) else None,
+                    token_times=tuple(r.times),
+                    rejected=r.rejected,
+                    cancelled=r.cancelled,
+                    failed=r.failed,
+                    retries=r.retries,
+                    prefill_start=r.pstart,
+                    transfer_start=r.xs,
+                    transfer_end=r.xe,
+                )
+            )
 
     # -- steps ------------------------------------------------------------------
     #
@@ -1039,7 +1151,7 @@ class _Sim:
         del inst.running[r]
         r.ep += 1
         base = inst.dbase
-        r.times.extend(inst.dtimes[r.j - base:r.j + steps - base])
+        r.times.extend(inst.dtimes[r.j - base : r.j + steps - base])
         r.produced += steps
         inst.ctx -= r.plen + steps
 
@@ -1139,7 +1251,7 @@ class _Sim:
         drop = len(m) - 1 - i
         inst.k -= drop
         inst.busy_time -= m[-1] - m[i]
-        del m[i + 1:]
+        del m[i + 1 :]
         inst.version += 1
         self.push(m[i], _STEP, inst, inst.version)
 
@@ -1255,12 +1367,18 @@ class _Sim:
                         continue
                     d = s - r.j
                     tok = r.produced + d
-                    self.emit(Decode.unchecked(r.id, r.gen, inst.name, r.plen + d, tok, tok + 1, tuple(r.dblocks)), r)
+                    self.emit(
+                        Decode.unchecked(r.id, r.gen, inst.name, r.plen + d, tok, tok + 1, tuple(r.dblocks)),
+                        r,
+                    )
             else:
                 for r in inst.first:
                     if r.state == _DEC and not r.cancelled:
                         tok = r.produced
-                        self.emit(Decode.unchecked(r.id, r.gen, inst.name, r.plen, tok, tok + 1, tuple(r.dblocks)), r)
+                        self.emit(
+                            Decode.unchecked(r.id, r.gen, inst.name, r.plen, tok, tok + 1, tuple(r.dblocks)),
+                            r,
+                        )
         inst.first.clear()
         ends = inst.ends.pop(s, None)
         if ends:
@@ -1327,8 +1445,12 @@ class _Sim:
         if r.xe is None:
             r.xs = self.now
         if self.ev_on:
-            self.emit(TransferStart.unchecked(r.xid, r.ticket, r.id, r.gen, r.p.name, tuple(r.pblocks), r.d.name,
-                                    tuple(r.dblocks)), r)
+            self.emit(
+                TransferStart.unchecked(
+                    r.xid, r.ticket, r.id, r.gen, r.p.name, tuple(r.pblocks), r.d.name, tuple(r.dblocks)
+                ),
+                r,
+            )
         nbytes = float(self.kv_tok * r.plen)
         eg = r.p.egress
         if cfg.layerwise:
@@ -1466,8 +1588,9 @@ class _Sim:
                 gauges = self.gauges = []
                 for name, pool in self.pools.items():
                     cap = pool[0].nblocks * len(pool)
-                    gauges.append((metrics.gauge(name + ".queue").set,
-                                   metrics.gauge(name + ".kv_blocks", cap).set, cap))
+                    gauges.append(
+                        (metrics.gauge(name + ".queue").set, metrics.gauge(name + ".kv_blocks", cap).set, cap)
+                    )
         samples = self.samples
         while ts <= until:
             for name, q, kv, busy in rows:
@@ -1478,7 +1601,9 @@ class _Sim:
                     set_kv(ts, kv * cap)
             if len(self.samples) > 8000:  # bounded: keep every other sample time, sample half as often
                 per = len(self.pools)  # one row per pool at each sample time, the pools in a fixed order
-                self.samples = samples = [row for i in range(0, len(samples), 2 * per) for row in samples[i:i + per]]
+                self.samples = samples = [
+                    row for i in range(0, len(samples), 2 * per) for row in samples[i : i + per]
+                ]
                 self.sample_dt = dt = dt * 2  # type: ignore[operator]
             ts += dt  # type: ignore[operator]
         self.next_sample = ts
@@ -1500,7 +1625,8 @@ class _Sim:
                 "utilisation_per_instance": [i.busy_time / dur for i in pool],
                 # requests waiting to be scheduled, summed over the pool (a prefill
                 # pool: plus those waiting for a D reservation), as its samples count
-                "mean_queue": (sum(i.q_area for i in pool) + (self.rq_area if name == "prefill" else 0.0)) / dur,
+                "mean_queue": (sum(i.q_area for i in pool) + (self.rq_area if name == "prefill" else 0.0))
+                / dur,
                 "mean_kv_occupancy": sum(i.kv_area for i in pool) / dur / sum(i.nblocks for i in pool),
                 "peak_kv_occupancy": max(i.peak_kv / i.nblocks for i in pool),
                 "preempted": sum(i.preempted for i in pool),
@@ -1520,6 +1646,19 @@ class _Sim:
         }
         if self.in_sys:
             self.in_system(0)  # (a run that stopped early: integrate to its end)
-        return SimResult(self.cfg, self.n, self.finished, dur, wall, pools, transfers, dict(self.faults),
-                         self.events, self.violation, tuple(self.samples), dict(self.why_rejected),
-                         dict(self.why_failed), self.sys_area / dur)
+        return SimResult(
+            self.cfg,
+            self.n,
+            self.finished,
+            dur,
+            wall,
+            pools,
+            transfers,
+            dict(self.faults),
+            self.events,
+            self.violation,
+            tuple(self.samples),
+            dict(self.why_rejected),
+            dict(self.why_failed),
+            self.sys_area / dur,
+        )

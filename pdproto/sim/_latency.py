@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import csv
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -107,8 +107,9 @@ MODELS: Mapping[str, ModelSpec] = {
     "llama-3-70b": ModelSpec("llama-3-70b", 70.6e9, 8192, PRESETS["llama-3-70b"]),
     "qwen2.5-7b": ModelSpec("qwen2.5-7b", 7.6e9, 3584, PRESETS["qwen2.5-7b"]),
     "qwen2.5-72b": ModelSpec("qwen2.5-72b", 72.7e9, 8192, PRESETS["qwen2.5-72b"]),
-    "deepseek-v3": ModelSpec("deepseek-v3", 37e9, 7168, PRESETS["deepseek-v3"], total_params=671e9,
-                             weight_bytes_per_param=1),
+    "deepseek-v3": ModelSpec(
+        "deepseek-v3", 37e9, 7168, PRESETS["deepseek-v3"], total_params=671e9, weight_bytes_per_param=1
+    ),
 }
 
 
@@ -158,14 +159,17 @@ class Roofline:
         weights_gib = self.model.weight_bytes / self.tp / 2**30
         if weights_gib >= self.device.memory_gib:
             raise UsageError(
-                "tp", self.tp,
+                "tp",
+                self.tp,
                 f"a TP large enough for {self.model.name}'s {weights_gib * self.tp:.0f} GiB of weights to fit "
                 f"{self.device.name}'s {self.device.memory_gib:g} GiB per device",
             )
         m = self.model
         object.__setattr__(self, "_flop_s", 1.0 / (self.tp * self.device.tflops * 1e12 * self.mfu))
         object.__setattr__(self, "_byte_s", 1.0 / (self.tp * self.device.hbm_gbps * 1e9 * self.mbu))
-        object.__setattr__(self, "_fixed", (self.overhead_ms + (self.tp_comm_ms if self.tp > 1 else 0.0)) / 1e3)
+        object.__setattr__(
+            self, "_fixed", (self.overhead_ms + (self.tp_comm_ms if self.tp > 1 else 0.0)) / 1e3
+        )
         object.__setattr__(self, "_attn", 2.0 * m.shape.layers * m.hidden)
         object.__setattr__(self, "_kv_tok", float(m.shape.bytes_per_token))
 
@@ -248,7 +252,7 @@ class PiecewiseLinear:
             object.__setattr__(self, f"_{name}_y", [p[1] for p in pts])
 
     @classmethod
-    def from_csv(cls, path: str | os.PathLike[str]) -> "PiecewiseLinear":
+    def from_csv(cls, path: str | os.PathLike[str]) -> PiecewiseLinear:
         """Read a table with a header ``phase,tokens,ms`` (phase ``prefill`` or
         ``decode``; for decode, tokens = sequences in the batch) and optionally
         one row ``decode_ctx,TOKENS,MS`` (MS per TOKENS context tokens read)."""
@@ -264,18 +268,26 @@ class PiecewiseLinear:
             if not row or not "".join(row).strip():
                 continue
             if len(row) != 3 or row[0].strip() not in pts:
-                raise UsageError("latency table", f"{path}:{n}: {','.join(row)}",
-                                 "a row 'prefill|decode|decode_ctx,TOKENS,MS'")
+                raise UsageError(
+                    "latency table",
+                    f"{path}:{n}: {','.join(row)}",
+                    "a row 'prefill|decode|decode_ctx,TOKENS,MS'",
+                )
             try:
                 x, y = float(row[1]), float(row[2])
             except ValueError:
-                raise UsageError("latency table", f"{path}:{n}: {','.join(row)}", "numbers in tokens and ms") from None
+                raise UsageError(
+                    "latency table", f"{path}:{n}: {','.join(row)}", "numbers in tokens and ms"
+                ) from None
             pts[row[0].strip()].append((x, y))
         ctx = 0.0
         if pts["decode_ctx"]:
             if len(pts["decode_ctx"]) > 1 or pts["decode_ctx"][0][0] <= 0:
-                raise UsageError("latency table", f"{path}: {len(pts['decode_ctx'])} decode_ctx row(s)",
-                                 "at most one row 'decode_ctx,TOKENS,MS' with TOKENS > 0")
+                raise UsageError(
+                    "latency table",
+                    f"{path}: {len(pts['decode_ctx'])} decode_ctx row(s)",
+                    "at most one row 'decode_ctx,TOKENS,MS' with TOKENS > 0",
+                )
             tokens, ms = pts["decode_ctx"][0]
             ctx = ms / tokens  # ms per context token read
         return cls(pts["prefill"], pts["decode"], decode_ctx_ms=ctx)

@@ -249,8 +249,16 @@ def stats(values: Iterable[float], scale: float = 1000.0) -> dict[str, float | i
     ordered = sorted(values)
     n = len(ordered)
     if n == 0:
-        return {"count": 0, "mean": 0.0, "std": 0.0, "median": 0.0, "p90": 0.0, "p95": 0.0, "p99": 0.0,
-                "max": 0.0}
+        return {
+            "count": 0,
+            "mean": 0.0,
+            "std": 0.0,
+            "median": 0.0,
+            "p90": 0.0,
+            "p95": 0.0,
+            "p99": 0.0,
+            "max": 0.0,
+        }
     mean = math.fsum(ordered) / n
     var = math.fsum((v - mean) ** 2 for v in ordered) / n
     out: dict[str, float | int] = {"count": n, "mean": mean * scale, "std": math.sqrt(var) * scale}
@@ -298,9 +306,9 @@ class _Gaps:
         if stride == 1:
             self.values.extend(gaps)
         else:
-            self.values.extend(gaps[self._rng.randrange(stride)::stride])
+            self.values.extend(gaps[self._rng.randrange(stride) :: stride])
         if len(self.values) > self.limit:
-            self.values = self.values[self._rng.randrange(2)::2]
+            self.values = self.values[self._rng.randrange(2) :: 2]
             self.stride = stride * 2
 
     def ordered(self) -> list[float]:
@@ -315,8 +323,11 @@ class _Gaps:
         n = len(ordered)
         sample_mean = math.fsum(ordered) / n
         var = math.fsum((v - sample_mean) ** 2 for v in ordered) / n
-        out: dict[str, float | int] = {"count": self.seen, "mean": self.total / self.seen * scale,
-                                       "std": math.sqrt(var) * scale}
+        out: dict[str, float | int] = {
+            "count": self.seen,
+            "mean": self.total / self.seen * scale,
+            "std": math.sqrt(var) * scale,
+        }
         for q in PERCENTILES:
             out["median" if q == 50 else f"p{q}"] = percentile(ordered, q) * scale
         out["max"] = self.top * scale
@@ -345,10 +356,24 @@ class Gauge:
     None) is what the signal is measured against, e.g. a pool's KV blocks.
     """
 
-    __slots__ = ("name", "capacity", "start", "t", "value", "area", "peak", "times", "values", "_every",
-                 "_skip", "_points")
+    __slots__ = (
+        "name",
+        "capacity",
+        "start",
+        "t",
+        "value",
+        "area",
+        "peak",
+        "times",
+        "values",
+        "_every",
+        "_skip",
+        "_points",
+    )
 
-    def __init__(self, name: str, capacity: float | None = None, start: float = 0.0, points: int = 2000) -> None:
+    def __init__(
+        self, name: str, capacity: float | None = None, start: float = 0.0, points: int = 2000
+    ) -> None:
         self.name = name
         self.capacity = capacity
         self.start = start
@@ -427,8 +452,16 @@ class Metrics:
     (preemptions, timeouts, transfer failures, ...).
     """
 
-    def __init__(self, arm: str = "", *, devices: int = 1, weight_copies: int = 1, keep_records: int = 0,
-                 itl_exact_limit: int = 250_000, series_points: int = 2000) -> None:
+    def __init__(
+        self,
+        arm: str = "",
+        *,
+        devices: int = 1,
+        weight_copies: int = 1,
+        keep_records: int = 0,
+        itl_exact_limit: int = 250_000,
+        series_points: int = 2000,
+    ) -> None:
         self.arm = arm
         self.devices = devices
         self.weight_copies = weight_copies
@@ -544,8 +577,13 @@ class Metrics:
         """Per-request values of ``ttft``, ``tpot``, ``e2e``, ``first_gap`` or
         ``max_itl`` over completed requests, seconds, sorted (TPOT, first gap
         and max ITL only over requests with >= 2 tokens)."""
-        arrays = {"ttft": self._ttft, "e2e": self._e2e, "tpot": self._tpot, "first_gap": self._first_gap,
-                  "max_itl": self._max_itl}
+        arrays = {
+            "ttft": self._ttft,
+            "e2e": self._e2e,
+            "tpot": self._tpot,
+            "first_gap": self._first_gap,
+            "max_itl": self._max_itl,
+        }
         if metric not in arrays:
             raise UsageError("metric", metric, f"one of {', '.join(arrays)}")
         data = arrays[metric]
@@ -560,8 +598,13 @@ class Metrics:
     def good(self, slo: SLO) -> int:
         """Completed requests meeting every bound of ``slo``."""
         checks = []
-        for key, data in (("ttft", self._ttft), ("tpot", self._tpot), ("e2e", self._e2e),
-                          ("itl", self._max_itl), ("first_gap", self._first_gap)):
+        for key, data in (
+            ("ttft", self._ttft),
+            ("tpot", self._tpot),
+            ("e2e", self._e2e),
+            ("itl", self._max_itl),
+            ("first_gap", self._first_gap),
+        ):
             bound = getattr(slo, key)
             if bound is not None:
                 checks.append((data, bound))
@@ -633,7 +676,9 @@ class Metrics:
             out["attainment"] = good / asked if asked else 0.0
         until = self.first_arrival + duration if self.requests else None
         out["gauges"] = {name: g.summary(until) for name, g in sorted(self.gauges.items())}
-        out["utilisation"] = {d: (b / duration if duration > 0 else 0.0) for d, b in sorted(self.busy_time.items())}
+        out["utilisation"] = {
+            d: (b / duration if duration > 0 else 0.0) for d, b in sorted(self.busy_time.items())
+        }
         out["transfers"] = {
             "count": self.transfers,
             "network_bytes": self.network_bytes,

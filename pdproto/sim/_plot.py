@@ -103,13 +103,17 @@ def plot_cdfs(
                 ax.step([x * 1000 for x in xs], ys, where="post", color=_colour(i), label=arm)
         bound = getattr(slo, name) if slo is not None else None
         if bound is not None:
-            ax.axvline(bound * 1000, color="#666", linestyle="--", linewidth=1, label=f"SLO {bound * 1000:g} ms")
+            ax.axvline(
+                bound * 1000, color="#666", linestyle="--", linewidth=1, label=f"SLO {bound * 1000:g} ms"
+            )
         lows = [ln.get_xdata()[0] for ln in ax.get_lines() if len(ln.get_xdata()) and ln.get_xdata()[0] > 0]
         highs = [ln.get_xdata()[-1] for ln in ax.get_lines() if len(ln.get_xdata())]
         wide = bool(lows and highs and max(highs) > 20 * min(lows))
         if wide:
             ax.set_xscale("log")
-        ax.set_xlabel(f"{name.upper() if name != 'first_gap' else 'first gap'} (ms{', log scale' if wide else ''})")
+        ax.set_xlabel(
+            f"{name.upper() if name != 'first_gap' else 'first gap'} (ms{', log scale' if wide else ''})"
+        )
         ax.set_ylabel("share of " + ("gaps" if name == "itl" else "requests"))
         ax.set_ylim(0, 1.02)
         ax.grid(color="#eeeeee")
@@ -136,7 +140,9 @@ def plot_goodput_vs_rate(
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     for i, (arm, points) in enumerate(curves.items()):
         pts = sorted(points)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, color=_colour(i), label=arm)
+        ax.plot(
+            [p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, color=_colour(i), label=arm
+        )
         if best and arm in best:
             ax.axvline(best[arm], color=_colour(i), linestyle=":", linewidth=1)
     ax.set_xlabel("arrival rate (req/s)")
@@ -168,8 +174,7 @@ def plot_goodput_vs_ratio(
     labels = [p[0] for p in points]
     values = [p[1] for p in points]
     top = max(values)
-    bars = ax.bar(range(len(points)), values,
-                  color=[_colour(2) if v == top else _colour(0) for v in values])
+    bars = ax.bar(range(len(points)), values, color=[_colour(2) if v == top else _colour(0) for v in values])
     for bar, v in zip(bars, values):
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(points)))
@@ -219,8 +224,13 @@ def plot_occupancy(
     return _save(plt, fig, target)
 
 
-def plot_timeline(records: Sequence[RequestRecord], path: str | pathlib.Path, *, title: str | None = None,
-                  first_tokens: int = 8) -> pathlib.Path:
+def plot_timeline(
+    records: Sequence[RequestRecord],
+    path: str | pathlib.Path,
+    *,
+    title: str | None = None,
+    first_tokens: int = 8,
+) -> pathlib.Path:
     """The seed's two-request timeline: one lane per record (any number, two
     in the seed), time in ms from the first arrival, up to each request's
     ``first_tokens``-th token (the handoff and its first gaps; the rest of a
@@ -249,35 +259,87 @@ def plot_timeline(records: Sequence[RequestRecord], path: str | pathlib.Path, *,
         right = max(right, ms(end))
         first = r.first_token
         if first is not None:
-            ax.barh(y, ms(first) - ms(r.arrival), left=ms(r.arrival), height=0.3, color="#bdbdbd",
-                    edgecolor="white")
-            ax.text(ms(first), y + 0.2, f" TTFT {ms(first) - ms(r.arrival):.1f} ms", ha="right", va="bottom",
-                    fontsize=8)
+            ax.barh(
+                y,
+                ms(first) - ms(r.arrival),
+                left=ms(r.arrival),
+                height=0.3,
+                color="#bdbdbd",
+                edgecolor="white",
+            )
+            ax.text(
+                ms(first),
+                y + 0.2,
+                f" TTFT {ms(first) - ms(r.arrival):.1f} ms",
+                ha="right",
+                va="bottom",
+                fontsize=8,
+            )
             ax.barh(y, ms(end) - ms(first), left=ms(first), height=0.1, color=colour)
         if r.prefill_start is not None and first is not None:  # the prefill inside the wait
-            ax.barh(y, ms(first) - ms(r.prefill_start), left=ms(r.prefill_start), height=0.3, color="#737373",
-                    edgecolor="white")
-            ax.text((ms(r.prefill_start) + ms(first)) / 2, y, "prefill", ha="center", va="center", fontsize=7,
-                    color="white")
+            ax.barh(
+                y,
+                ms(first) - ms(r.prefill_start),
+                left=ms(r.prefill_start),
+                height=0.3,
+                color="#737373",
+                edgecolor="white",
+            )
+            ax.text(
+                (ms(r.prefill_start) + ms(first)) / 2,
+                y,
+                "prefill",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
         if r.transfer_start is not None and r.transfer_end is not None:  # PD: the KV handoff
-            ax.barh(y + 0.22, ms(r.transfer_end) - ms(r.transfer_start), left=ms(r.transfer_start), height=0.12,
-                    color="#fdb863", edgecolor="#e66101", hatch="///")
-            ax.text(ms(r.transfer_end), y + 0.22, f" KV transfer {ms(r.transfer_end) - ms(r.transfer_start):.1f} ms",
-                    ha="left", va="center", fontsize=7, color="#e66101")
+            ax.barh(
+                y + 0.22,
+                ms(r.transfer_end) - ms(r.transfer_start),
+                left=ms(r.transfer_start),
+                height=0.12,
+                color="#fdb863",
+                edgecolor="#e66101",
+                hatch="///",
+            )
+            ax.text(
+                ms(r.transfer_end),
+                y + 0.22,
+                f" KV transfer {ms(r.transfer_end) - ms(r.transfer_start):.1f} ms",
+                ha="left",
+                va="center",
+                fontsize=7,
+                color="#e66101",
+            )
             right = max(right, ms(r.transfer_end))
         for k, t in enumerate(tokens):
             ax.plot([ms(t)], [y], marker="o", color="black", markersize=4)
             ax.text(ms(t), y - 0.16, str(k + 1), ha="center", va="top", fontsize=7)
         if len(tokens) >= 2:
             a, b = tokens[0], tokens[1]
-            ax.annotate("", xy=(ms(a), y - 0.34), xytext=(ms(b), y - 0.34),
-                        arrowprops={"arrowstyle": "<->", "color": "#7b3294"})
-            ax.text((ms(a) + ms(b)) / 2, y - 0.38, f"first gap {(b - a) * 1000:.1f} ms", ha="center",
-                    va="top", fontsize=8, color="#7b3294")
+            ax.annotate(
+                "",
+                xy=(ms(a), y - 0.34),
+                xytext=(ms(b), y - 0.34),
+                arrowprops={"arrowstyle": "<->", "color": "#7b3294"},
+            )
+            ax.text(
+                (ms(a) + ms(b)) / 2,
+                y - 0.38,
+                f"first gap {(b - a) * 1000:.1f} ms",
+                ha="center",
+                va="top",
+                fontsize=8,
+                color="#7b3294",
+            )
         ax.plot([ms(r.arrival)], [y], marker="|", color="black", markersize=14)
         status = "rejected" if r.rejected else "cancelled" if r.cancelled else "failed" if r.failed else ""
         more = len(r.token_times) - len(tokens)
-        label = f"{r.arm} {r.id}" + (f" ({status})" if status else "") + (f", {more} more tokens" if more else "")
+        label = (
+            f"{r.arm} {r.id}" + (f" ({status})" if status else "") + (f", {more} more tokens" if more else "")
+        )
         ax.text(ms(r.arrival), y + 0.42, label, fontsize=8, ha="left")
     ax.set_yticks([])
     ax.set_ylim(0.4, len(records) + 0.75)

@@ -23,7 +23,8 @@ queueing growing, the pools taking turns idling.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 
@@ -32,7 +33,17 @@ from ._engine import SimConfig, SimResult, simulate
 from ._metrics import SLO, Metrics
 from ._workload import WorkloadSpec, make_workload
 
-__all__ = ["RatePoint", "SweepRow", "run_once", "max_rate", "splits", "sweep", "cheapest", "signals", "SIGNALS"]
+__all__ = [
+    "RatePoint",
+    "SweepRow",
+    "run_once",
+    "max_rate",
+    "splits",
+    "sweep",
+    "cheapest",
+    "signals",
+    "SIGNALS",
+]
 
 
 @attrs.frozen
@@ -82,22 +93,44 @@ class SweepRow:
         }
 
 
-def run_once(spec: WorkloadSpec, config: SimConfig, rate: float | None, slo: SLO, *, n: int, seed: int = 0,
-             monitor: bool = False, **kw: Any) -> tuple[RatePoint, Metrics, SimResult]:
+def run_once(
+    spec: WorkloadSpec,
+    config: SimConfig,
+    rate: float | None,
+    slo: SLO,
+    *,
+    n: int,
+    seed: int = 0,
+    monitor: bool = False,
+    **kw: Any,
+) -> tuple[RatePoint, Metrics, SimResult]:
     """Simulate ``n`` requests of ``spec`` (at ``rate`` when given) on ``config``."""
     if rate is not None:
         spec = spec.with_rate(rate)
     m = Metrics(config.label(), devices=config.used_devices, weight_copies=config.weight_copies)
     res = simulate(make_workload(spec, n, seed), config, metrics=m, monitor=monitor, **kw)
     s = m.summary(slo, duration=res.duration)
-    point = RatePoint(rate if rate is not None else (spec.rate or 0.0), s["attainment"], s["goodput"],
-                      res.violation)
+    point = RatePoint(
+        rate if rate is not None else (spec.rate or 0.0), s["attainment"], s["goodput"], res.violation
+    )
     return point, m, res
 
 
-def max_rate(spec: WorkloadSpec, config: SimConfig, slo: SLO, *, target: float = 0.9, n: int = 400,
-             seed: int = 0, start: float = 1.0, rel_tol: float = 0.05, max_probes: int = 14,
-             monitor: bool = False, span: float = 20.0, table: Any = None) -> SweepRow:
+def max_rate(
+    spec: WorkloadSpec,
+    config: SimConfig,
+    slo: SLO,
+    *,
+    target: float = 0.9,
+    n: int = 400,
+    seed: int = 0,
+    start: float = 1.0,
+    rel_tol: float = 0.05,
+    max_probes: int = 14,
+    monitor: bool = False,
+    span: float = 20.0,
+    table: Any = None,
+) -> SweepRow:
     """The highest rate at which ``config`` meets ``target`` attainment, by
     doubling up (or halving down) from ``start`` and then bisecting to
     ``rel_tol``.  Each probe is a fresh run (same seed) of ``n`` requests, or
@@ -108,8 +141,9 @@ def max_rate(spec: WorkloadSpec, config: SimConfig, slo: SLO, *, target: float =
     diagnostics: dict[float, tuple[dict[str, Any], ...]] = {}
 
     def ok(rate: float) -> bool:
-        p, _m, res = run_once(spec, config, rate, slo, n=max(n, int(rate * span)), seed=seed, monitor=monitor,
-                              table=table)
+        p, _m, res = run_once(
+            spec, config, rate, slo, n=max(n, int(rate * span)), seed=seed, monitor=monitor, table=table
+        )
         probes.append(p)
         diagnostics[rate] = tuple(signals(res))
         return p.attainment >= target
@@ -138,8 +172,13 @@ def max_rate(spec: WorkloadSpec, config: SimConfig, slo: SLO, *, target: float =
     return SweepRow(config, lo, good, config.used_devices, tuple(probes), diagnostics.get(lo, ()))
 
 
-def splits(budget: int, base: SimConfig, tps: Sequence[int] = (1,), *, arms: Iterable[str] = ("colocated", "chunked", "pd")
-           ) -> list[SimConfig]:
+def splits(
+    budget: int,
+    base: SimConfig,
+    tps: Sequence[int] = (1,),
+    *,
+    arms: Iterable[str] = ("colocated", "chunked", "pd"),
+) -> list[SimConfig]:
     """Every configuration on exactly ``budget`` devices: colocated and
     chunked with each tp dividing the budget, and PD with every N_P, N_D >= 1
     and tp per role from ``tps`` such that N_P*tp_P + N_D*tp_D == budget."""
@@ -158,8 +197,17 @@ def splits(budget: int, base: SimConfig, tps: Sequence[int] = (1,), *, arms: Ite
                 for n_p in range(1, budget // tp_p + 1):
                     rest = budget - n_p * tp_p
                     if rest >= tp_d and rest % tp_d == 0:
-                        out.append(attrs.evolve(base, arm="pd", devices=budget, n_p=n_p, n_d=rest // tp_d,
-                                                tp_p=tp_p, tp_d=tp_d))
+                        out.append(
+                            attrs.evolve(
+                                base,
+                                arm="pd",
+                                devices=budget,
+                                n_p=n_p,
+                                n_d=rest // tp_d,
+                                tp_p=tp_p,
+                                tp_d=tp_d,
+                            )
+                        )
     return out
 
 
@@ -173,10 +221,21 @@ def fit_error(config: SimConfig, table: Any = None) -> UsageError | None:
     return None
 
 
-def sweep(spec: WorkloadSpec, base: SimConfig, budget: int, slo: SLO, *, tps: Sequence[int] = (1,),
-          target: float = 0.9, n: int = 400, seed: int = 0, arms: Iterable[str] = ("colocated", "chunked", "pd"),
-          progress: Callable[[SweepRow], None] | None = None, span: float = 20.0, table: Any = None
-          ) -> list[SweepRow]:
+def sweep(
+    spec: WorkloadSpec,
+    base: SimConfig,
+    budget: int,
+    slo: SLO,
+    *,
+    tps: Sequence[int] = (1,),
+    target: float = 0.9,
+    n: int = 400,
+    seed: int = 0,
+    arms: Iterable[str] = ("colocated", "chunked", "pd"),
+    progress: Callable[[SweepRow], None] | None = None,
+    span: float = 20.0,
+    table: Any = None,
+) -> list[SweepRow]:
     """:func:`max_rate` of every configuration of :func:`splits`, best
     per-device goodput first.  Configurations whose weights do not fit are
     left out.  ``table`` (a :class:`~pdproto.sim._latency.PiecewiseLinear`)
@@ -195,10 +254,21 @@ def sweep(spec: WorkloadSpec, base: SimConfig, budget: int, slo: SLO, *, tps: Se
     return rows
 
 
-def cheapest(spec: WorkloadSpec, base: SimConfig, rate: float, slo: SLO, *, max_devices: int = 16,
-             tps: Sequence[int] = (1,), target: float = 0.9, n: int = 400, seed: int = 0,
-             arms: Iterable[str] = ("colocated", "chunked", "pd"), span: float = 20.0, table: Any = None,
-             ) -> tuple[int, list[tuple[SimConfig, RatePoint]]]:
+def cheapest(
+    spec: WorkloadSpec,
+    base: SimConfig,
+    rate: float,
+    slo: SLO,
+    *,
+    max_devices: int = 16,
+    tps: Sequence[int] = (1,),
+    target: float = 0.9,
+    n: int = 400,
+    seed: int = 0,
+    arms: Iterable[str] = ("colocated", "chunked", "pd"),
+    span: float = 20.0,
+    table: Any = None,
+) -> tuple[int, list[tuple[SimConfig, RatePoint]]]:
     """The smallest budget (1..``max_devices``) with a configuration meeting
     ``target`` at ``rate``; returns it (0 when none) and the configurations
     tried at that budget with their points.  ``table``: as in :func:`sweep`."""
@@ -255,29 +325,60 @@ def signals(result: SimResult) -> list[dict[str, Any]]:
     out = []
     # P saturated with a standing queue (or a queue still growing at the end) while D idles
     grow = (p["utilisation"] >= 0.9 and p["mean_queue"] >= 2.0) or q2 > max(2.0, 1.5 * q1)
-    out.append({"signal": "p-queue-growing-d-idle", "fired": bool(grow and d["utilisation"] < 0.5),
-                "evidence": {"p_utilisation": p["utilisation"], "p_mean_queue": p["mean_queue"],
-                             "p_queue_first_half": q1, "p_queue_second_half": q2,
-                             "d_utilisation": d["utilisation"]}})
+    out.append(
+        {
+            "signal": "p-queue-growing-d-idle",
+            "fired": bool(grow and d["utilisation"] < 0.5),
+            "evidence": {
+                "p_utilisation": p["utilisation"],
+                "p_mean_queue": p["mean_queue"],
+                "p_queue_first_half": q1,
+                "p_queue_second_half": q2,
+                "d_utilisation": d["utilisation"],
+            },
+        }
+    )
     full = [k >= 0.95 and b > 0 for k, b in zip(dkv, pbusy)]
     full_share = sum(full) / len(full) if full else (1.0 if d["peak_kv_occupancy"] >= 0.95 else 0.0)
-    out.append({"signal": "d-kv-full-p-accepting",
-                "fired": bool(full_share >= 0.1 or d["preempted"] > 0),
-                "evidence": {"share_of_time_d_kv_full_while_p_busy": full_share, "d_preempted": d["preempted"],
-                             "d_peak_kv": d["peak_kv_occupancy"]}})
+    out.append(
+        {
+            "signal": "d-kv-full-p-accepting",
+            "fired": bool(full_share >= 0.1 or d["preempted"] > 0),
+            "evidence": {
+                "share_of_time_d_kv_full_while_p_busy": full_share,
+                "d_preempted": d["preempted"],
+                "d_peak_kv": d["peak_kv_occupancy"],
+            },
+        }
+    )
     t = result.transfers
     queueing = t["mean_queueing_ms"]
-    out.append({"signal": "transfer-queueing-growing",
-                "fired": bool(t["count"] and queueing > 0.25 * max(t["mean_ms"] - queueing, 1e-9)),
-                "evidence": {"mean_transfer_ms": t["mean_ms"], "mean_queueing_ms": queueing,
-                             "peak_concurrent": t["peak_concurrent"]}})
+    out.append(
+        {
+            "signal": "transfer-queueing-growing",
+            "fired": bool(t["count"] and queueing > 0.25 * max(t["mean_ms"] - queueing, 1e-9)),
+            "evidence": {
+                "mean_transfer_ms": t["mean_ms"],
+                "mean_queueing_ms": queueing,
+                "peak_concurrent": t["peak_concurrent"],
+            },
+        }
+    )
     k = len(pbusy) or 1
     p_only = sum(1 for a, b in zip(pbusy, dbusy) if a > 0 and b == 0) / k  # P works, D idles
     d_only = sum(1 for a, b in zip(pbusy, dbusy) if a == 0 and b > 0) / k  # and the other way round
-    out.append({"signal": "pools-take-turns-idling",
-                "fired": bool(min(p_only, d_only) >= 0.15 and p["utilisation"] < 0.7 and d["utilisation"] < 0.7),
-                "evidence": {"share_of_time_only_p_busy": p_only, "share_of_time_only_d_busy": d_only,
-                             "p_utilisation": p["utilisation"], "d_utilisation": d["utilisation"]}})
+    out.append(
+        {
+            "signal": "pools-take-turns-idling",
+            "fired": bool(min(p_only, d_only) >= 0.15 and p["utilisation"] < 0.7 and d["utilisation"] < 0.7),
+            "evidence": {
+                "share_of_time_only_p_busy": p_only,
+                "share_of_time_only_d_busy": d_only,
+                "p_utilisation": p["utilisation"],
+                "d_utilisation": d["utilisation"],
+            },
+        }
+    )
     for s in out:
         s["direction"] = SIGNALS[s["signal"]]
     return out

@@ -190,7 +190,9 @@ class Arrival:
     def gamma(cls, rate: float, cv: float | None = None, *, burstiness: float | None = None) -> Arrival:
         """Gamma gaps at ``rate`` requests/s; give ``cv`` or ``burstiness`` (= 1/cv²), not both."""
         if (cv is None) == (burstiness is None):
-            raise UsageError("gamma", {"cv": cv, "burstiness": burstiness}, "exactly one of cv and burstiness")
+            raise UsageError(
+                "gamma", {"cv": cv, "burstiness": burstiness}, "exactly one of cv and burstiness"
+            )
         if burstiness is not None:
             cv = 1.0 / math.sqrt(_finite(burstiness, "burstiness", 0.0, 1e9))
         return cls("gamma", rate, cv)
@@ -489,8 +491,12 @@ def _read(fh: Any, source: str, format: str | None) -> tuple[list[tuple[float, i
     if text.startswith("{"):
         return _read_jsonl(source, format, [first], lines)
     if format in _JSON_KEYS:
-        raise TraceFormatError(f"a {format} trace is JSON lines; this line is not an object", source=source,
-                               line=number, value=text[:40])
+        raise TraceFormatError(
+            f"a {format} trace is JSON lines; this line is not an object",
+            source=source,
+            line=number,
+            value=text[:40],
+        )
     header = [h.strip().strip('"') for h in next(csv.reader([text]))]
     if format is None:
         for name, cols in _CSV_COLUMNS.items():
@@ -501,13 +507,19 @@ def _read(fh: Any, source: str, format: str | None) -> tuple[list[tuple[float, i
             expected = "; ".join(",".join(c) for c in _CSV_COLUMNS.values())
             raise TraceFormatError(
                 f"unknown trace header; expected the columns {expected} (or JSON lines)",
-                source=source, line=number, value=text[:80],
+                source=source,
+                line=number,
+                value=text[:80],
             )
     cols = _CSV_COLUMNS[format]
     missing = [c for c in cols if c not in header]
     if missing:
-        raise TraceFormatError(f"the {format} header lacks the column(s) {', '.join(missing)}",
-                               source=source, line=number, value=text[:80])
+        raise TraceFormatError(
+            f"the {format} header lacks the column(s) {', '.join(missing)}",
+            source=source,
+            line=number,
+            value=text[:80],
+        )
     at = [header.index(c) for c in cols]
     width = len(header)
     rows: list[tuple[float, int, int]] = []
@@ -515,20 +527,32 @@ def _read(fh: Any, source: str, format: str | None) -> tuple[list[tuple[float, i
     for number, text in lines:
         fields = next(csv.reader([text])) if '"' in text else text.split(",")
         if len(fields) != width:
-            raise TraceFormatError(f"{len(fields)} fields, the header has {width}", source=source,
-                                   line=number, value=text[:80])
+            raise TraceFormatError(
+                f"{len(fields)} fields, the header has {width}", source=source, line=number, value=text[:80]
+            )
         try:
             t = parse_time(fields[at[0]].strip())
         except ValueError:
-            raise TraceFormatError("not a time (seconds, or a date-time for azure)", source=source,
-                                   line=number, field=cols[0], value=fields[at[0]]) from None
-        rows.append((t, _tokens(fields[at[1]], source, number, cols[1]),
-                     _tokens(fields[at[2]], source, number, cols[2])))
+            raise TraceFormatError(
+                "not a time (seconds, or a date-time for azure)",
+                source=source,
+                line=number,
+                field=cols[0],
+                value=fields[at[0]],
+            ) from None
+        rows.append(
+            (
+                t,
+                _tokens(fields[at[1]], source, number, cols[1]),
+                _tokens(fields[at[2]], source, number, cols[2]),
+            )
+        )
     return rows, format
 
 
-def _read_jsonl(source: str, format: str | None, head: list[tuple[int, str]],
-                lines: Iterator[tuple[int, str]]) -> tuple[list[tuple[float, int, int]], str]:
+def _read_jsonl(
+    source: str, format: str | None, head: list[tuple[int, str]], lines: Iterator[tuple[int, str]]
+) -> tuple[list[tuple[float, int, int]], str]:
     if format in _CSV_COLUMNS:
         raise TraceFormatError(f"a {format} trace is CSV; this line is JSON", source=source, line=head[0][0])
     rows: list[tuple[float, int, int]] = []
@@ -537,8 +561,9 @@ def _read_jsonl(source: str, format: str | None, head: list[tuple[int, str]],
         try:
             obj = json.loads(text)
         except ValueError as exc:
-            raise TraceFormatError(f"not JSON ({exc.msg})", source=source, line=number,
-                                   value=text[:40]) from None
+            raise TraceFormatError(
+                f"not JSON ({exc.msg})", source=source, line=number, value=text[:40]
+            ) from None
         if not isinstance(obj, dict):
             raise TraceFormatError("not a JSON object", source=source, line=number, value=text[:40])
         if keys is None:
@@ -549,16 +574,26 @@ def _read_jsonl(source: str, format: str | None, head: list[tuple[int, str]],
             else:
                 raise TraceFormatError(
                     "unknown record: expected the keys arrival, prompt_len, output_len (or Mooncake's "
-                    "timestamp, input_length, output_length)", source=source, line=number, value=text[:80])
+                    "timestamp, input_length, output_length)",
+                    source=source,
+                    line=number,
+                    value=text[:80],
+                )
         for k in keys[:3]:
             if k not in obj:
                 raise TraceFormatError("missing key", source=source, line=number, field=k)
         t = obj[keys[0]]
         if type(t) not in (int, float) or not math.isfinite(t) or not 0 <= t * keys[3] <= MAX_TIME:
-            raise TraceFormatError(f"not a time from 0 to {MAX_TIME:g} s", source=source, line=number,
-                                   field=keys[0], value=t)
-        rows.append((t * keys[3], _tokens(obj[keys[1]], source, number, keys[1]),
-                     _tokens(obj[keys[2]], source, number, keys[2])))
+            raise TraceFormatError(
+                f"not a time from 0 to {MAX_TIME:g} s", source=source, line=number, field=keys[0], value=t
+            )
+        rows.append(
+            (
+                t * keys[3],
+                _tokens(obj[keys[1]], source, number, keys[1]),
+                _tokens(obj[keys[2]], source, number, keys[2]),
+            )
+        )
     assert format is not None
     return rows, format
 
@@ -572,8 +607,9 @@ def _tokens(value: object, source: str, line: int, field: str) -> int:
     else:
         n = -1
     if not 0 <= n <= MAX_LEN:
-        raise TraceFormatError(f"not a token count from 0 to {MAX_LEN:,}", source=source, line=line,
-                               field=field, value=value)
+        raise TraceFormatError(
+            f"not a token count from 0 to {MAX_LEN:,}", source=source, line=line, field=field, value=value
+        )
     return max(n, 1)
 
 
@@ -648,17 +684,25 @@ class WorkloadSpec:
             raise UsageError("trace", self.trace, "a file path (str)")
 
     @classmethod
-    def poisson(cls, rate: float, prompt: int | Lengths, output: int | Lengths, *,
-                cancel: Cancellation | None = None) -> WorkloadSpec:
+    def poisson(
+        cls, rate: float, prompt: int | Lengths, output: int | Lengths, *, cancel: Cancellation | None = None
+    ) -> WorkloadSpec:
         """Poisson arrivals at ``rate``; an ``int`` length means a fixed one."""
         return cls(Arrival.poisson(rate), _as_lengths(prompt), _as_lengths(output), cancel)
 
     @classmethod
-    def from_trace(cls, path: str | os.PathLike[str], *, time_scale: float = 1.0,
-                   format: str | None = None, cancel: Cancellation | None = None) -> WorkloadSpec:
+    def from_trace(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        time_scale: float = 1.0,
+        format: str | None = None,
+        cancel: Cancellation | None = None,
+    ) -> WorkloadSpec:
         """Replay a trace file as it is: its times (scaled) and its lengths."""
-        return cls(Arrival.trace(time_scale), Lengths.trace(), Lengths.trace(), cancel,
-                   os.fspath(path), format)
+        return cls(
+            Arrival.trace(time_scale), Lengths.trace(), Lengths.trace(), cancel, os.fspath(path), format
+        )
 
     def load(self) -> Trace | None:
         """The trace (read once, cached), or None without one."""
@@ -681,7 +725,9 @@ class WorkloadSpec:
         trace = self.load()
         assert trace is not None
         if not trace.rate:
-            raise UsageError("rate", rate, f"no rate for a trace whose requests all arrive at once ({trace.source})")
+            raise UsageError(
+                "rate", rate, f"no rate for a trace whose requests all arrive at once ({trace.source})"
+            )
         return attrs.evolve(self, arrival=Arrival.trace(trace.rate / rate))
 
 
@@ -753,7 +799,11 @@ def write_jsonl(requests: Iterator[SimRequest] | Sequence[SimRequest], path: str
     count = 0
     with open(path, "w", encoding="utf-8") as fh:
         for r in requests:
-            fh.write(json.dumps({"arrival": round(r.arrival, 6), "prompt_len": r.prompt_len,
-                                 "output_len": r.output_len}) + "\n")
+            fh.write(
+                json.dumps(
+                    {"arrival": round(r.arrival, 6), "prompt_len": r.prompt_len, "output_len": r.output_len}
+                )
+                + "\n"
+            )
             count += 1
     return count

@@ -19,7 +19,8 @@ as before: ``share`` is an unknown kind there, and ``layers`` / ``tokens`` on
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, ClassVar, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
 
 import attrs
 
@@ -206,7 +207,8 @@ class _TransferOnly:
 
     def __repr__(self) -> str:
         parts = [f"transfer={self.transfer!r}"] + [
-            f"{name}={getattr(self, name)!r}" for name in ("request", "gen", "src", "dst")
+            f"{name}={getattr(self, name)!r}"
+            for name in ("request", "gen", "src", "dst")
             if getattr(self, name) is not None
         ]
         return f"{type(self).__name__}({', '.join(parts)})"
@@ -509,7 +511,11 @@ OMITTABLE: Mapping[str, frozenset[str]] = {
 #: Kinds whose recorded fields must include at least one of these (else an
 #: event of the kind says nothing the monitor can use).
 ONE_OF_RECORDED: Mapping[str, tuple[str, ...]] = {
-    ev: ("blocks", "request") if ev == "free" else ("transfer", "request") if ev.startswith("transfer_") and ev != "transfer_start" else ()
+    ev: ("blocks", "request")
+    if ev == "free"
+    else ("transfer", "request")
+    if ev.startswith("transfer_") and ev != "transfer_start"
+    else ()
     for ev in EVENT_TYPES
 }
 
@@ -521,10 +527,7 @@ def field_kinds(ev: str, recorded: frozenset[str] | None = None) -> Mapping[str,
     fields = EVENT_TYPES[ev].FIELDS
     if recorded is None:
         return fields
-    return {
-        n: _REQUIRED_OF.get(k, k) if n in recorded else _OPTIONAL_OF.get(k, k)
-        for n, k in fields.items()
-    }
+    return {n: _REQUIRED_OF.get(k, k) if n in recorded else _OPTIONAL_OF.get(k, k) for n, k in fields.items()}
 
 
 def undeclared_feature(
@@ -565,9 +568,7 @@ def event_from_dict(
     if legacy:
         allowed = frozenset()
     if not isinstance(obj, dict):
-        raise HistoryFormatError(
-            f"expected a JSON object, got {type(obj).__name__} {obj!r:.80}", value=obj
-        )
+        raise HistoryFormatError(f"expected a JSON object, got {type(obj).__name__} {obj!r:.80}", value=obj)
     if "ev" not in obj:
         raise HistoryFormatError("missing required field", field="ev")
     ev = obj["ev"]
@@ -710,7 +711,7 @@ def _make_fast_parser(
     return namespace["parse"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fast_parsers(
     features: frozenset[str] | None = None, observed: Any = None
 ) -> Mapping[str, Callable[[dict], Event | None]]:
@@ -728,6 +729,7 @@ def fast_parsers(
 
 
 _FAST = fast_parsers()
+
 
 def features_used(event: Event) -> frozenset[str]:
     """The format 1.1 features ``event`` uses (its kind's, and those of the

@@ -15,17 +15,18 @@ import itertools
 import json
 import os
 import sys
-from typing import IO, Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import IO, Any
 
 import attrs
 
 from .._errors import HistoryFormatError, UsageError
 from ._events import (
+    EVENT_TYPES,
     FEATURE_FIELDS,
     FEATURE_KINDS,
     FEATURES,
     WORKER_FIELDS,
-    EVENT_TYPES,
     Event,
     TransferStart,
     fast_parsers,
@@ -180,11 +181,15 @@ class KVSpec:
         if self.dtype in FP8_DTYPES and self.scale is None:
             raise ValueError(f"scale is required with dtype {self.dtype!r}: one of {', '.join(KV_SCALES)}")
         if self.dtype not in FP8_DTYPES and self.scale is not None:
-            raise ValueError(f"scale {self.scale!r} is only for an fp8 dtype ({', '.join(FP8_DTYPES)}), "
-                             f"got dtype {self.dtype!r}")
+            raise ValueError(
+                f"scale {self.scale!r} is only for an fp8 dtype ({', '.join(FP8_DTYPES)}), "
+                f"got dtype {self.dtype!r}"
+            )
         if self.layout == "mla" and self.kv_heads not in (None, 1):
-            raise ValueError(f"kv_heads must be absent or 1 with layout 'mla' (one latent per token), "
-                             f"got {self.kv_heads!r}")
+            raise ValueError(
+                f"kv_heads must be absent or 1 with layout 'mla' (one latent per token), "
+                f"got {self.kv_heads!r}"
+            )
         if self.layout == "mla" and self.scale == "per-head":
             raise ValueError("scale 'per-head' needs heads; layout 'mla' has none")
 
@@ -193,7 +198,7 @@ class KVSpec:
         return {k: v for k, v in out.items() if v is not None and not (k == "layout" and v == "mha")}
 
     @classmethod
-    def from_dict(cls, obj: object) -> "KVSpec":
+    def from_dict(cls, obj: object) -> KVSpec:
         """Parse a header's ``kv`` object; raises HistoryFormatError without a line."""
         if not isinstance(obj, dict):
             raise HistoryFormatError(
@@ -214,13 +219,18 @@ class KVSpec:
             if key in ("dtype", "scale", "layout"):
                 allowed = {"dtype": KV_DTYPES, "scale": KV_SCALES, "layout": KV_LAYOUTS}[key]
                 ok = type(value) is str and (value in allowed or (key == "dtype" and value in _DTYPE_ALIASES))
-                expected = "one of " + ", ".join(allowed) + (" (or an alias: bf16, fp16, fp8, ...)" if key == "dtype" else "")
+                expected = (
+                    "one of "
+                    + ", ".join(allowed)
+                    + (" (or an alias: bf16, fp16, fp8, ...)" if key == "dtype" else "")
+                )
             else:
                 ok = type(value) is int and value >= 1
                 expected = "an integer >= 1"
             if not ok:
-                raise HistoryFormatError(f"kv.{key} must be {expected}, got {value!r:.80}", field=f"kv.{key}",
-                                         value=value)
+                raise HistoryFormatError(
+                    f"kv.{key} must be {expected}, got {value!r:.80}", field=f"kv.{key}", value=value
+                )
         try:
             return cls(**obj)
         except ValueError as exc:  # a combination: fp8 without scale, mla with heads, ...
@@ -253,9 +263,7 @@ class HistoryHeader:
 
     policy: str = attrs.field(default="push", validator=_policy)
     complete: bool = False
-    workers: Mapping[str, WorkerSpec] | None = attrs.field(
-        default=None, converter=_workers, hash=False
-    )
+    workers: Mapping[str, WorkerSpec] | None = attrs.field(default=None, converter=_workers, hash=False)
     version: int | str | None = None
     extra: dict = attrs.field(factory=dict, hash=False, repr=False)
     features: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
@@ -316,7 +324,7 @@ class HistoryHeader:
         return value if type(value) is int and value >= 1 else None
 
     @classmethod
-    def from_dict(cls, obj: Mapping[str, Any]) -> "HistoryHeader":
+    def from_dict(cls, obj: Mapping[str, Any]) -> HistoryHeader:
         """Parse a header object; raises HistoryFormatError without a line."""
         version = obj.get("version")
         if version not in FORMAT_VERSIONS or type(version) not in (int, str):
@@ -426,8 +434,17 @@ class HistoryHeader:
         if version != 1:
             known |= {"features", "kv", "boundary", "observed"}
         extra = {k: v for k, v in obj.items() if k not in known}
-        return cls(policy=policy, complete=complete, workers=specs, extra=extra, version=version,
-                   features=features, kv=kv, boundary=boundary, observed=observed)
+        return cls(
+            policy=policy,
+            complete=complete,
+            workers=specs,
+            extra=extra,
+            version=version,
+            features=features,
+            kv=kv,
+            boundary=boundary,
+            observed=observed,
+        )
 
 
 def _parallel(
@@ -457,8 +474,6 @@ def _parallel(
 
 def _is_header(obj: object) -> bool:
     return isinstance(obj, dict) and "pdproto" in obj and "ev" not in obj
-
-
 
 
 class HistoryReader:
@@ -529,9 +544,7 @@ class HistoryReader:
                 value=second,
             ) from None
         except RecursionError:
-            raise HistoryFormatError(
-                "JSON nested too deeply", source=self.name, line=self.line
-            ) from None
+            raise HistoryFormatError("JSON nested too deeply", source=self.name, line=self.line) from None
         except ValueError as exc:  # an integer over Python's int-string limit
             if "digits" not in str(exc):
                 raise
@@ -557,8 +570,7 @@ class HistoryReader:
         """The format error for a line over the cap or a failed read."""
         if isinstance(exc, _TooLong):
             return HistoryFormatError(
-                f"line longer than {self.max_line_bytes:,} bytes (the limit; raise it with "
-                "--max-line-bytes)",
+                f"line longer than {self.max_line_bytes:,} bytes (the limit; raise it with --max-line-bytes)",
                 source=self.name,
                 line=line,
                 value=exc.args[0],
@@ -574,7 +586,7 @@ class HistoryReader:
         if _is_header(obj):
             if obj.get("pdproto") != "history":
                 raise HistoryFormatError(
-                    f"header must say \"pdproto\": \"history\", got {obj['pdproto']!r}",
+                    f'header must say "pdproto": "history", got {obj["pdproto"]!r}',
                     source=self.name,
                     line=line,
                     field="pdproto",
@@ -617,13 +629,19 @@ class HistoryReader:
                 raise HistoryFormatError(
                     f"transfer_start.layers {list(event.layers)} needs the header's kv.layers (how many "
                     "layers there are, so that readiness can cover them all)",
-                    source=self.name, line=line, field="layers", value=list(event.layers),
+                    source=self.name,
+                    line=line,
+                    field="layers",
+                    value=list(event.layers),
                 )
             if event.layers[1] > layers:
                 raise HistoryFormatError(
                     f"transfer_start.layers {list(event.layers)} goes past the {layers} layers the header "
                     f"declares (kv.layers); allowed: [lo, hi] with hi <= {layers}",
-                    source=self.name, line=line, field="layers", value=list(event.layers),
+                    source=self.name,
+                    line=line,
+                    field="layers",
+                    value=list(event.layers),
                 )
         bs = self.header.block_size
         if event.tokens is not None and bs is not None:
@@ -635,7 +653,10 @@ class HistoryReader:
                     raise HistoryFormatError(
                         f"transfer_start.{field} lists {got} block(s), but tokens {list(event.tokens)} span "
                         f"{span} block(s) of {bs} tokens (blocks {lo // bs}..{(hi - 1) // bs} of the table)",
-                        source=self.name, line=line, field=field, value=list(getattr(event, field)),
+                        source=self.name,
+                        line=line,
+                        field=field,
+                        value=list(getattr(event, field)),
                     )
 
     def _check_workers(self, event: Event, line: int) -> None:
@@ -862,7 +883,8 @@ class HistoryWriter:
             missing = features_used(event) - self.features
             if missing:
                 raise UsageError(
-                    "event", event,
+                    "event",
+                    event,
                     f"an event the header can say: it uses feature(s) {sorted(missing)}, which the header "
                     f"does not declare (HistoryHeader(features=...))",
                 )
@@ -878,14 +900,16 @@ class HistoryWriter:
         assert observed is not None
         if event.EV not in observed.kinds:
             raise UsageError(
-                "event", event,
+                "event",
+                event,
                 f"an event of a kind the header's observed.kinds lists ({', '.join(sorted(observed.kinds))})",
             )
         spec = field_kinds(event.EV, observed.fields.get(event.EV))
         for name, kind in spec.items():
             if getattr(event, name) is None and not kind.endswith("?"):
                 raise UsageError(
-                    "event", event,
+                    "event",
+                    event,
                     f"an event with field {name!r}, which the header's observed.fields says every "
                     f"{event.EV!r} records",
                 )

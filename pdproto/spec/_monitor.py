@@ -36,9 +36,10 @@ only to name witnesses.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from operator import attrgetter, itemgetter
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -66,8 +67,15 @@ from ._events import (
 )
 from ._history import BOUNDARIES, POLICIES, HistoryHeader, KVSpec, WorkerSpec
 
-__all__ = ["INVARIANTS", "END_INVARIANTS", "INVARIANT_NEEDS", "Violation", "Monitor", "check_invariant_ids",
-           "not_judged"]
+__all__ = [
+    "INVARIANTS",
+    "END_INVARIANTS",
+    "INVARIANT_NEEDS",
+    "Violation",
+    "Monitor",
+    "check_invariant_ids",
+    "not_judged",
+]
 
 #: Every invariant id, in the order the documentation lists them, with a
 #: one-line rule.  The ids are a stable public interface.
@@ -96,8 +104,7 @@ INVARIANTS: Mapping[str, str] = {
     "first-token-boundary": "the first decode is not at position prompt_len (== processed_len, plus "
     "the prefix a prefix-cache hit skipped) with the first token as input; under the header's "
     "boundary recompute (vLLM's convention), not at position prompt_len - 1",
-    "decode-continuity": "a later decode skips a position, feeds another token, or exceeds "
-    "max_new_tokens",
+    "decode-continuity": "a later decode skips a position, feeds another token, or exceeds max_new_tokens",
     "reserve-before-prefill": "(push) prefill_start without an open reservation of that generation",
     "capacity": "a block id outside the declared pool",
     "leak": "(end of a complete history) a block still owned by a terminal generation, or a "
@@ -132,8 +139,20 @@ INVARIANT_NEEDS: Mapping[str, tuple[frozenset[str], ...]] = {
         frozenset({"free", "restart", "transfer_start", "transfer_write_done", "transfer_failed"}),
     ),
     "commit-before-ready": (
-        frozenset({"commit", "submit", "reserve", "prefill_start", "alloc", "share", "restart",
-                   "transfer_start", "transfer_write_done", "transfer_failed"}),
+        frozenset(
+            {
+                "commit",
+                "submit",
+                "reserve",
+                "prefill_start",
+                "alloc",
+                "share",
+                "restart",
+                "transfer_start",
+                "transfer_write_done",
+                "transfer_failed",
+            }
+        ),
     ),
     "double-commit": (frozenset({"commit"}),),
     "resurrection": (frozenset({*_ENDS, _ACTIVITY}),),
@@ -141,19 +160,20 @@ INVARIANT_NEEDS: Mapping[str, tuple[frozenset[str], ...]] = {
     "ticket-mismatch": (frozenset({"reserve", "transfer_start|commit"}),),
     "id-reuse": (frozenset({"reserve|transfer_start"}),),
     "unknown-transfer": (
-        frozenset({"transfer_start", "transfer_read_done|transfer_write_done|transfer_failed|transfer_abort"}),
+        frozenset(
+            {"transfer_start", "transfer_read_done|transfer_write_done|transfer_failed|transfer_abort"}
+        ),
     ),
-    "foreign-block-access": (
-        frozenset({*_OWN, "transfer_start", "transfer_write_done", "transfer_failed"}),
-    ),
+    "foreign-block-access": (frozenset({*_OWN, "transfer_start", "transfer_write_done", "transfer_failed"}),),
     "decode-before-commit": (frozenset({"commit", "decode"}),),
     "first-token-boundary": (frozenset({"prefill_done", "decode", "share"}),),
     "decode-continuity": (frozenset({"decode"}),),
     "reserve-before-prefill": (frozenset(_OWN),),
     "capacity": (frozenset({"reserve|prefill_start|alloc|share|free|transfer_start|decode"}),),
     "leak": (
-        frozenset({*_OWN, *_ENDS, "transfer_start", "transfer_read_done", "transfer_write_done",
-                   "transfer_failed"}),
+        frozenset(
+            {*_OWN, *_ENDS, "transfer_start", "transfer_read_done", "transfer_write_done", "transfer_failed"}
+        ),
     ),
     "stuck": (frozenset({"submit", *_ENDS}),),
 }
@@ -375,7 +395,19 @@ class Monitor:
         "failed": "id",
     }
     __slots__ = (
-        ("policy", "complete", "workers", "kv", "block_size", "boundary", "skip", "violations", "line", "events", "_out")
+        (
+            "policy",
+            "complete",
+            "workers",
+            "kv",
+            "block_size",
+            "boundary",
+            "skip",
+            "violations",
+            "line",
+            "events",
+            "_out",
+        )
         + _VERDICT
         + ("_lines",)  # witness bookkeeping, not part of key()
         # True while the per-worker tables of block lines in _lines may be
@@ -410,7 +442,9 @@ class Monitor:
         # tokens per block (format 1.1 only): positions become blocks of the
         # block table, so readiness, prefix hits and decode writes are checked
         # block by block
-        self.block_size = block_size if block_size is not None else (kv.block_size if kv is not None else None)
+        self.block_size = (
+            block_size if block_size is not None else (kv.block_size if kv is not None else None)
+        )
         self.skip = check_invariant_ids(skip)
         self.violations: list[Violation] = []
         self.line = 0
@@ -430,7 +464,7 @@ class Monitor:
         complete: bool | None = None,
         skip: Iterable[str] = (),
         observed: Any = None,
-    ) -> "Monitor":
+    ) -> Monitor:
         """A monitor set up as a history header says; ``policy`` and
         ``complete`` override it when given (``complete=True`` forces).  A
         version 1.1 header's block size (``kv.block_size``, else its
@@ -441,8 +475,9 @@ class Monitor:
         if observed is not None or header.observed is not None:
             from ._partial import PartialMonitor
 
-            return PartialMonitor.from_header(header, policy=policy, complete=complete, skip=skip,
-                                              observed=observed)
+            return PartialMonitor.from_header(
+                header, policy=policy, complete=complete, skip=skip, observed=observed
+            )
         return cls(skip=skip, **cls._settings(header, policy, complete))
 
     @staticmethod
@@ -465,8 +500,9 @@ class Monitor:
         but an event raises :class:`UsageError` and changes nothing."""
         handler = _DISPATCH.get(type(event))
         if handler is None:
-            raise UsageError("event", event, "one of the event classes " + ", ".join(
-                cls.__name__ for cls in _DISPATCH))
+            raise UsageError(
+                "event", event, "one of the event classes " + ", ".join(cls.__name__ for cls in _DISPATCH)
+            )
         self.line = self.line + 1 if line is None else line
         self.events += 1
         out = self._out = []
@@ -510,7 +546,7 @@ class Monitor:
         """How many distinct requests the history named so far."""
         return len({key[0] for key in self._gens})
 
-    def _settings_copy(self) -> "Monitor":
+    def _settings_copy(self) -> Monitor:
         """A new monitor with this one's settings, line and event counts, and
         no verdict tables or witness lines yet (a subclass adds its own state)."""
         new = type(self).__new__(type(self))
@@ -526,7 +562,7 @@ class Monitor:
         new._out = []
         return new
 
-    def copy(self) -> "Monitor":
+    def copy(self) -> Monitor:
         """An independent monitor in the same state."""
         new = self._settings_copy()
         new.violations = list(self.violations)
@@ -559,7 +595,7 @@ class Monitor:
             parts.append(frozenset(items))
         return self._KEY_ORDER(parts)
 
-    def with_key(self, key: tuple) -> "Monitor":
+    def with_key(self, key: tuple) -> Monitor:
         """A monitor with this one's settings (policy, completeness, pools,
         skipped invariants), line and event counts, in the verdict state
         ``key`` (a :meth:`key` value); no violations and no witness lines."""
@@ -592,14 +628,23 @@ class Monitor:
         kv: KVSpec | None = None,
         block_size: int | None = None,
         boundary: str = "sampled",
-    ) -> "Monitor":
+    ) -> Monitor:
         """A new monitor (set up as :class:`Monitor` is) in the verdict state
         ``key``, a :meth:`key` value."""
-        return cls(policy, complete=complete, workers=workers, skip=skip, kv=kv,
-                   block_size=block_size, boundary=boundary).with_key(key)
+        return cls(
+            policy,
+            complete=complete,
+            workers=workers,
+            skip=skip,
+            kv=kv,
+            block_size=block_size,
+            boundary=boundary,
+        ).with_key(key)
 
     @classmethod
-    def renamed_key(cls, key: tuple, names: Any, blocks: Mapping[tuple[str, int], int] | None = None) -> tuple:
+    def renamed_key(
+        cls, key: tuple, names: Any, blocks: Mapping[tuple[str, int], int] | None = None
+    ) -> tuple:
         """Apply a renaming of ids to a :meth:`key` value: the result is the
         key of a monitor fed the renamed events.
 
@@ -617,7 +662,7 @@ class Monitor:
             out.append(items)
         return tuple(out)
 
-    def renamed(self, names: Any, blocks: Mapping[tuple[str, int], int] | None = None) -> "Monitor":
+    def renamed(self, names: Any, blocks: Mapping[tuple[str, int], int] | None = None) -> Monitor:
         """An independent monitor in this one's state with ids renamed (the
         arguments as for :meth:`renamed_key`): the monitor of the renamed
         history (its declared pools and witness lines included), with no
@@ -727,7 +772,9 @@ class Monitor:
         )
         del self._quarantine[wb]
 
-    def _double_allocation(self, event: Event, key: tuple[str, int], wb: tuple[str, int], why: str, line: int) -> None:
+    def _double_allocation(
+        self, event: Event, key: tuple[str, int], wb: tuple[str, int], why: str, line: int
+    ) -> None:
         worker, b = wb
         self._report(
             "double-allocation",
@@ -740,7 +787,9 @@ class Monitor:
             block=b,
         )
 
-    def _allocate(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], line: int) -> None:
+    def _allocate(
+        self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], line: int
+    ) -> None:
         shared = self._shared
         inside = self._capacity(event, worker, blocks, line)
         if not inside:
@@ -851,7 +900,9 @@ class Monitor:
             **data,
         )
 
-    def _owned_by(self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], role: str, line: int) -> None:
+    def _owned_by(
+        self, event: Event, key: tuple[str, int], worker: str, blocks: tuple[int, ...], role: str, line: int
+    ) -> None:
         owner = self._owner.get(worker, _NO_BLOCKS)
         get = owner.get
         for b in blocks:
@@ -1031,12 +1082,16 @@ class Monitor:
         self._ticket_check(ev, ev.ticket, key, ev.dst, line)
         self._owned_by(ev, key, ev.src, ev.src_blocks, "reads", line)
         self._owned_by(ev, key, ev.dst, ev.dst_blocks, "writes", line)
-        t = _Transfer(ev.ticket, key, ev.src, ev.src_blocks, ev.dst, ev.dst_blocks,
-                      layers=ev.layers, tokens=ev.tokens)
+        t = _Transfer(
+            ev.ticket, key, ev.src, ev.src_blocks, ev.dst, ev.dst_blocks, layers=ev.layers, tokens=ev.tokens
+        )
         self._transfers[tid] = t
         self._inflight[tid] = True
         alone = frozenset((tid,))  # this event's own object: an earlier entry is another
-        for index, worker, blocks in ((self._reading, ev.src, ev.src_blocks), (self._writing, ev.dst, ev.dst_blocks)):
+        for index, worker, blocks in (
+            (self._reading, ev.src, ev.src_blocks),
+            (self._writing, ev.dst, ev.dst_blocks),
+        ):
             if not blocks:
                 continue
             index = self._per_worker(index, worker)
@@ -1119,8 +1174,7 @@ class Monitor:
                 "commit-before-ready",
                 line,
                 f"commit of {_fmt_gen(key)} on {ev.worker!r} under ticket {ev.ticket!r}, but {why}",
-                [self._lines.get(("ticket", ev.ticket))]
-                + [self._lines.get(("transfer", t)) for t in tids],
+                [self._lines.get(("ticket", ev.ticket))] + [self._lines.get(("transfer", t)) for t in tids],
                 request=ev.request,
                 gen=ev.gen,
                 ticket=ev.ticket,
@@ -1195,11 +1249,7 @@ class Monitor:
                 "decode-before-commit",
                 line,
                 f"decode of {_fmt_gen(key)} on {ev.worker!r} at position {ev.position}, "
-                + (
-                    "which never committed"
-                    if where is None
-                    else f"which committed on {where!r}, not here"
-                ),
+                + ("which never committed" if where is None else f"which committed on {where!r}, not here"),
                 [self._lines.get(("commit", key))],
                 request=ev.request,
                 gen=ev.gen,
@@ -1252,10 +1302,10 @@ class Monitor:
         elif g.cached:
             problem = self._cached_boundary(ev, g, back)
         elif ev.position != g.processed_len - back:
-            problem = (
-                f"position {ev.position}, but prefill processed {g.processed_len} tokens: the "
-                + (f"last prompt token is recomputed at position {g.processed_len - 1} (boundary "
-                   "recompute)" if recompute else f"first token goes at position {g.processed_len}")
+            problem = f"position {ev.position}, but prefill processed {g.processed_len} tokens: the " + (
+                f"last prompt token is recomputed at position {g.processed_len - 1} (boundary recompute)"
+                if recompute
+                else f"first token goes at position {g.processed_len}"
             )
         elif g.prompt_len is not None and g.processed_len != g.prompt_len:
             problem = f"prefill processed {g.processed_len} tokens of a {g.prompt_len}-token prompt"
@@ -1332,8 +1382,7 @@ class Monitor:
             self._report(
                 "decode-continuity",
                 line,
-                f"decode of {_fmt_gen(key)} produces token {produced} of at most "
-                f"max_new_tokens={g.max_new}",
+                f"decode of {_fmt_gen(key)} produces token {produced} of at most max_new_tokens={g.max_new}",
                 [self._lines.get(("submit", key))],
                 request=ev.request,
                 gen=ev.gen,
@@ -1350,8 +1399,16 @@ class Monitor:
             self._lines[("end", key)] = line
 
     def _bad_free(self, ev: Free, line: int, block: int, message: str, witness: int | None) -> None:
-        self._report("bad-free", line, message, [witness], worker=ev.worker, block=block, request=ev.request,
-                     gen=ev.gen)
+        self._report(
+            "bad-free",
+            line,
+            message,
+            [witness],
+            worker=ev.worker,
+            block=block,
+            request=ev.request,
+            gen=ev.gen,
+        )
 
     def _on_free(self, ev: Free, line: int) -> None:
         worker = ev.worker
@@ -1383,15 +1440,27 @@ class Monitor:
                         continue  # other owners still hold it, or a bad free changed nothing
                 else:
                     why = "quarantined after a restart" if wb in self._quarantine else "not owned"
-                    self._bad_free(ev, line, b, f"free of block {b} on {worker!r}, which is {why}",
-                                   self._block_line("free", wb))
+                    self._bad_free(
+                        ev,
+                        line,
+                        b,
+                        f"free of block {b} on {worker!r}, which is {why}",
+                        self._block_line("free", wb),
+                    )
                     continue
-            if held != named_key and request is not None and (
-                held[0] != request or (gen is not None and held[1] != gen)
+            if (
+                held != named_key
+                and request is not None
+                and (held[0] != request or (gen is not None and held[1] != gen))
             ):
                 named = request if gen is None else _fmt_gen((request, gen))
-                self._bad_free(ev, line, b, f"free of block {b} on {worker!r} for {named}, but "
-                               f"{_fmt_gen(held)} owns it", self._block_line("alloc", (worker, b)))
+                self._bad_free(
+                    ev,
+                    line,
+                    b,
+                    f"free of block {b} on {worker!r} for {named}, but {_fmt_gen(held)} owns it",
+                    self._block_line("alloc", (worker, b)),
+                )
             if reading is not None:
                 readers = reading.get(b)
                 if readers:
@@ -1440,16 +1509,26 @@ class Monitor:
         worker, b = wb
         holders = self._shared[wb]
         if ev.request is None:
-            self._bad_free(ev, line, b, f"free of block {b} on {worker!r} names no generation, but "
-                           f"{_gens_text(holders)} share it: each owner frees its own reference",
-                           self._block_line("alloc", wb))
+            self._bad_free(
+                ev,
+                line,
+                b,
+                f"free of block {b} on {worker!r} names no generation, but "
+                f"{_gens_text(holders)} share it: each owner frees its own reference",
+                self._block_line("alloc", wb),
+            )
             del self._shared[wb]
             return min(holders)
         mine = frozenset(k for k in holders if k[0] == ev.request and (ev.gen is None or k[1] == ev.gen))
         if not mine:
             named = ev.request if ev.gen is None else _fmt_gen((ev.request, ev.gen))
-            self._bad_free(ev, line, b, f"free of block {b} on {worker!r} for {named}, but "
-                           f"{_gens_text(holders)} share it", self._block_line("alloc", wb))
+            self._bad_free(
+                ev,
+                line,
+                b,
+                f"free of block {b} on {worker!r} for {named}, but {_gens_text(holders)} share it",
+                self._block_line("alloc", wb),
+            )
             return None
         rest = holders - mine
         if not rest:
@@ -1572,9 +1651,7 @@ class Monitor:
             )
         for tid in sorted(self._inflight):
             t = self._transfers[tid]
-            doing = " and ".join(
-                w for w, on in (("reading", t.reading), ("writing", t.writing)) if on
-            )
+            doing = " and ".join(w for w, on in (("reading", t.reading), ("writing", t.writing)) if on)
             self._report(
                 "leak",
                 line,
@@ -1620,8 +1697,14 @@ def _rename_functions(names: Mapping[str, str], blocks: Mapping[tuple[str, int],
         return tuple(blocks.get((worker, b), b) for b in bs)
 
     def transfer(t: _Transfer) -> _Transfer:
-        return t._replace(ticket=rn(t.ticket), gen=gk(t.gen), src=rn(t.src), src_blocks=bl(t.src, t.src_blocks),
-                          dst=rn(t.dst), dst_blocks=bl(t.dst, t.dst_blocks))
+        return t._replace(
+            ticket=rn(t.ticket),
+            gen=gk(t.gen),
+            src=rn(t.src),
+            src_blocks=bl(t.src, t.src_blocks),
+            dst=rn(t.dst),
+            dst_blocks=bl(t.dst, t.dst_blocks),
+        )
 
     return {
         "same": lambda v: v,

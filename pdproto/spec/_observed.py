@@ -11,7 +11,8 @@ observed kinds carry (docs/invariants.md, ``INVARIANT_NEEDS``).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -57,15 +58,21 @@ class Observation:
     def __attrs_post_init__(self) -> None:
         unknown = sorted(k for k in self.kinds if k not in EVENT_TYPES)
         if unknown:
-            raise ValueError(f"unknown event kind(s) {unknown} in kinds; expected some of {', '.join(EVENT_TYPES)}")
+            raise ValueError(
+                f"unknown event kind(s) {unknown} in kinds; expected some of {', '.join(EVENT_TYPES)}"
+            )
         for kind, names in self.fields.items():
             if kind not in self.kinds:
-                raise ValueError(f"fields names kind {kind!r}, which kinds does not list; observed kinds: "
-                                 f"{', '.join(sorted(self.kinds)) or '(none)'}")
+                raise ValueError(
+                    f"fields names kind {kind!r}, which kinds does not list; observed kinds: "
+                    f"{', '.join(sorted(self.kinds)) or '(none)'}"
+                )
             known = EVENT_TYPES[kind].FIELDS
             bad = sorted(n for n in names if n not in known)
             if bad:
-                raise ValueError(f"fields.{kind} names {bad}, not field(s) of {kind!r}; its fields: {', '.join(known)}")
+                raise ValueError(
+                    f"fields.{kind} names {bad}, not field(s) of {kind!r}; its fields: {', '.join(known)}"
+                )
             missing = [n for n in known if n not in names and n not in OMITTABLE[kind]]
             if missing:
                 raise ValueError(
@@ -74,8 +81,10 @@ class Observation:
                 )
             need = ONE_OF_RECORDED.get(kind)
             if need and not any(n in names for n in need):
-                raise ValueError(f"fields.{kind} must list at least one of {', '.join(need)}: an event "
-                                 "without them names nothing to judge")
+                raise ValueError(
+                    f"fields.{kind} must list at least one of {', '.join(need)}: an event "
+                    "without them names nothing to judge"
+                )
 
     def observes(self, kind: str) -> bool:
         """Whether the source could see events of ``kind``."""
@@ -129,7 +138,7 @@ class Observation:
         return out
 
     @classmethod
-    def from_dict(cls, obj: object) -> "Observation":
+    def from_dict(cls, obj: object) -> Observation:
         """Parse a header's ``observed`` object; raises
         :class:`~pdproto.HistoryFormatError` (without a line) naming the key."""
         if not isinstance(obj, dict):
@@ -140,8 +149,11 @@ class Observation:
             )
         for key in obj:
             if key not in ("kinds", "fields"):
-                raise HistoryFormatError(f"observed.{key} is not an observed key; expected kinds, fields",
-                                         field=f"observed.{key}", value=obj[key])
+                raise HistoryFormatError(
+                    f"observed.{key} is not an observed key; expected kinds, fields",
+                    field=f"observed.{key}",
+                    value=obj[key],
+                )
         kinds = obj.get("kinds")
         if type(kinds) is not list or not all(type(k) is str for k in kinds):
             raise HistoryFormatError(
@@ -161,8 +173,9 @@ class Observation:
         for name, listed in (("kinds", kinds), *((f"fields.{k}", v) for k, v in fields.items())):
             twice = sorted({n for n in listed if listed.count(n) > 1})
             if twice:
-                raise HistoryFormatError(f"observed.{name} lists {twice} more than once",
-                                         field=f"observed.{name}", value=listed)
+                raise HistoryFormatError(
+                    f"observed.{name} lists {twice} more than once", field=f"observed.{name}", value=listed
+                )
         try:
             return cls(kinds, fields)
         except ValueError as exc:
@@ -170,13 +183,15 @@ class Observation:
             raise HistoryFormatError(f"observed: {exc}", field=where, value=obj) from None
 
     @classmethod
-    def parse_kinds(cls, text: str | Iterable[str]) -> "Observation":
+    def parse_kinds(cls, text: str | Iterable[str]) -> Observation:
         """The observation of ``pdproto audit --observed``: event kinds,
         comma- or space-separated (every field recorded); raises
         :class:`~pdproto.UsageError` on an unknown kind."""
-        parts = text.replace(",", " ").split() if isinstance(text, str) else [
-            p for item in text for p in item.replace(",", " ").split()
-        ]
+        parts = (
+            text.replace(",", " ").split()
+            if isinstance(text, str)
+            else [p for item in text for p in item.replace(",", " ").split()]
+        )
         for kind in parts:
             if kind not in EVENT_TYPES:
                 raise UsageError("--observed", kind, "event kinds, some of " + ", ".join(EVENT_TYPES))

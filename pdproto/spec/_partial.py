@@ -21,7 +21,8 @@ changes, none of which touches the complete-history path:
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import attrs
 
@@ -50,7 +51,8 @@ __all__ = ["PartialMonitor"]
 FREED_MEMORY = 1 << 17
 
 _COMPLETIONS = frozenset(
-    EVENT_TYPES[k] for k in ("transfer_read_done", "transfer_write_done", "transfer_failed", "transfer_abort"))
+    EVENT_TYPES[k] for k in ("transfer_read_done", "transfer_write_done", "transfer_failed", "transfer_abort")
+)
 _ALLOCATING = frozenset(EVENT_TYPES[k] for k in ("reserve", "prefill_start", "alloc", "share"))
 #: the side of a transfer a completion of each kind ends: reading, writing, either, or none
 _ENDS = {"transfer_read_done": "r", "transfer_write_done": "w", "transfer_failed": "rw", "transfer_abort": ""}
@@ -67,7 +69,16 @@ class PartialMonitor(Monitor):
     requests' transfers a partial monitor also remembers are not in it.
     """
 
-    __slots__ = ("observed", "not_judged", "_kinds", "_own", "_by_request", "_freed", "_requests", "_by_read_only")
+    __slots__ = (
+        "observed",
+        "not_judged",
+        "_kinds",
+        "_own",
+        "_by_request",
+        "_freed",
+        "_requests",
+        "_by_read_only",
+    )
 
     def __init__(
         self,
@@ -95,7 +106,8 @@ class PartialMonitor(Monitor):
         # named by request): the transfers' state cannot show it (a start or
         # an end of a read is not seen), only a read completing after a free
         self._by_read_only = not any(
-            all(_met(t, provided) for t in alt) for alt in INVARIANT_NEEDS["early-source-free"][:1])
+            all(_met(t, provided) for t in alt) for alt in INVARIANT_NEEDS["early-source-free"][:1]
+        )
         self._by_request: dict[str, list[str]] = {}  # request -> its transfers
         # request -> {worker: (line of the free, gen or None)}, the latest frees
         self._freed: dict[str, dict[str, tuple[int, int | None]]] = {}
@@ -110,20 +122,24 @@ class PartialMonitor(Monitor):
         complete: bool | None = None,
         skip: Iterable[str] = (),
         observed: Observation | None = None,
-    ) -> "PartialMonitor":
+    ) -> PartialMonitor:
         """A partial monitor as the header says; ``observed`` overrides the
         header's (one of the two is required)."""
         observed = observed if observed is not None else header.observed
         if observed is None:
             raise UsageError("observed", None, "an Observation (the header declares none)")
-        return cls(observed=observed, features=header.features, skip=skip,
-                   **Monitor._settings(header, policy, complete))
+        return cls(
+            observed=observed,
+            features=header.features,
+            skip=skip,
+            **Monitor._settings(header, policy, complete),
+        )
 
     @property
     def requests(self) -> int:
         return len(self._requests | {key[0] for key in self._gens})
 
-    def _settings_copy(self) -> "PartialMonitor":
+    def _settings_copy(self) -> PartialMonitor:
         # (copy() and with_key() start here)
         new = super()._settings_copy()
         assert isinstance(new, PartialMonitor)
@@ -172,7 +188,9 @@ class PartialMonitor(Monitor):
             # (the read-after-free check names no transfer; the others do)
             out[:] = [v for v in out if v.invariant != "early-source-free" or v.transfer is None]
         if out and unknown_gen:
-            out[:] = [attrs.evolve(v, gen=None) if v.request == request and v.line == line else v for v in out]
+            out[:] = [
+                attrs.evolve(v, gen=None) if v.request == request and v.line == line else v for v in out
+            ]
         if out:
             self.violations.extend(out)
         return out
@@ -201,7 +219,9 @@ class PartialMonitor(Monitor):
             held = self._held(ev.request, ev.gen, worker) if self._own else ()
             if held:
                 Monitor._on_free(self, attrs.evolve(ev, blocks=held), line)
-            elif ev.request is not None and not self._own:  # (with ownership seen: nothing held, nothing freed)
+            elif (
+                ev.request is not None and not self._own
+            ):  # (with ownership seen: nothing held, nothing freed)
                 self._early_by_request(ev, line)
         else:
             unowned = []
@@ -229,23 +249,31 @@ class PartialMonitor(Monitor):
             t = self._transfers[tid]
             if ev.gen is not None and t.gen[1] != ev.gen:
                 continue
-            for invariant, on, side, verb in (("early-source-free", t.reading, t.src, "read"),
-                                              ("early-target-reuse", t.writing, t.dst, "write into")):
+            for invariant, on, side, verb in (
+                ("early-source-free", t.reading, t.src, "read"),
+                ("early-target-reuse", t.writing, t.dst, "write into"),
+            ):
                 if on and side == ev.worker:
                     self._report(
-                        invariant, line,
+                        invariant,
+                        line,
                         f"free of the blocks of {_fmt_gen(t.gen)} on {ev.worker!r} while transfer {tid!r} "
                         f"can still {verb} them",
                         [self._lines.get(("transfer", tid))],
-                        worker=ev.worker, request=t.gen[0], gen=t.gen[1], transfer=tid,
+                        worker=ev.worker,
+                        request=t.gen[0],
+                        gen=t.gen[1],
+                        transfer=tid,
                     )
 
     def _early_unowned(self, ev: Free, blocks: list[int], line: int) -> None:
         """The freed blocks whose allocation was not observed, against the
         transfers reading or writing them."""
         worker = ev.worker
-        for invariant, index, verb in (("early-source-free", self._reading, "read"),
-                                       ("early-target-reuse", self._writing, "write into")):
+        for invariant, index, verb in (
+            ("early-source-free", self._reading, "read"),
+            ("early-target-reuse", self._writing, "write into"),
+        ):
             found: dict[frozenset, list[int]] = {}
             index = index.get(worker, {})
             for b in blocks:
@@ -255,11 +283,16 @@ class PartialMonitor(Monitor):
             for tids, bs in found.items():
                 first = self._transfers[min(tids)]
                 self._report(
-                    invariant, line,
+                    invariant,
+                    line,
                     f"free of block(s) {_blocks_text(bs)} on {worker!r} ({_fmt_gen(first.gen)}) while "
                     f"transfer(s) {', '.join(map(repr, sorted(tids)))} can still {verb} them",
                     [self._lines.get(("transfer", t)) for t in tids],
-                    worker=worker, block=bs[0], request=first.gen[0], gen=first.gen[1], transfer=min(tids),
+                    worker=worker,
+                    block=bs[0],
+                    request=first.gen[0],
+                    gen=first.gen[1],
+                    transfer=min(tids),
                 )
 
     def _on_completion(self, ev: Any, line: int) -> None:
@@ -269,8 +302,7 @@ class PartialMonitor(Monitor):
             return
         cls = type(ev)
         matching = [
-            tid for tid in self._by_request.get(ev.request, ())
-            if self._matches(self._transfers[tid], ev)
+            tid for tid in self._by_request.get(ev.request, ()) if self._matches(self._transfers[tid], ev)
         ]
         if matching:
             for tid in matching:
@@ -283,17 +315,24 @@ class PartialMonitor(Monitor):
             self._read_after_free(ev, line)
         if EVENT_TYPES["transfer_start"] in self._kinds:
             self._report(
-                "unknown-transfer", line,
+                "unknown-transfer",
+                line,
                 f"{ev.EV} names request {ev.request!r}"
-                + "".join(f" {f} {getattr(ev, f)!r}" for f in ("gen", "src", "dst") if getattr(ev, f) is not None)
+                + "".join(
+                    f" {f} {getattr(ev, f)!r}" for f in ("gen", "src", "dst") if getattr(ev, f) is not None
+                )
                 + ", of which no transfer started",
-                request=ev.request, gen=ev.gen,
+                request=ev.request,
+                gen=ev.gen,
             )
 
     @staticmethod
     def _matches(t: Any, ev: Any) -> bool:
-        return ((ev.gen is None or t.gen[1] == ev.gen) and (ev.src is None or t.src == ev.src)
-                and (ev.dst is None or t.dst == ev.dst))
+        return (
+            (ev.gen is None or t.gen[1] == ev.gen)
+            and (ev.src is None or t.src == ev.src)
+            and (ev.dst is None or t.dst == ev.dst)
+        )
 
     def _read_after_free(self, ev: TransferReadDone, line: int) -> None:
         """A read of the request (whose start was not observed) completes
@@ -310,11 +349,13 @@ class PartialMonitor(Monitor):
             known = ev.gen if ev.gen is not None else gen
             named = f"request {ev.request!r}" + (f" gen {known}" if known is not None else "")
             self._report(
-                "early-source-free", line,
+                "early-source-free",
+                line,
                 f"a read of {named} from {worker!r} completed here, after the free of its blocks there "
                 f"at line {free_line}: the transfer read blocks that were already released",
                 [free_line],
-                worker=worker, request=ev.request, gen=known,
+                worker=worker,
+                request=ev.request,
+                gen=known,
             )
             self._forget_free(ev.request, worker)
-

@@ -8,12 +8,28 @@ See docs/adapters/vllm.md for the mapping table (vLLM hook or state change
 from __future__ import annotations
 
 import copy
-from typing import Any, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 from ...protocol._model import Action, ActionNotEnabled
 from ...spec._events import (
-    Alloc, Cancel, Commit, Decode, Event, Fail, Finish, Free, PrefillDone, PrefillStart, Reserve,
-    Restart, Submit, TransferFailed, TransferReadDone, TransferStart, TransferWriteDone,
+    Alloc,
+    Cancel,
+    Commit,
+    Decode,
+    Event,
+    Fail,
+    Finish,
+    Free,
+    PrefillDone,
+    PrefillStart,
+    Reserve,
+    Restart,
+    Submit,
+    TransferFailed,
+    TransferReadDone,
+    TransferStart,
+    TransferWriteDone,
 )
 from ...spec._history import HistoryHeader, WorkerSpec
 from ._harness import VllmHarness
@@ -63,12 +79,28 @@ KNOWN: Mapping[str, Mapping[str, str]] = {
     },
 }
 
+
 class _Gen:
     """One generation of one request, as the router (the proxy in front of P
     and D) sees it."""
 
-    __slots__ = ("request", "gen", "prompt", "max_tokens", "p_id", "d_id", "ticket", "transfer",
-                 "terminal", "p_added", "d_added", "p_inc", "d_inc", "reserved", "committed")
+    __slots__ = (
+        "request",
+        "gen",
+        "prompt",
+        "max_tokens",
+        "p_id",
+        "d_id",
+        "ticket",
+        "transfer",
+        "terminal",
+        "p_added",
+        "d_added",
+        "p_inc",
+        "d_inc",
+        "reserved",
+        "committed",
+    )
 
     def __init__(self, request: str, gen: int, prompt: list[int], max_tokens: int) -> None:
         self.request = request
@@ -127,12 +159,21 @@ class VllmAdapter:
         self.max_tokens = max_tokens
         self.max_gen = max_gen
         self.max_restarts = max_restarts
-        self.h = harness or VllmHarness(family, block_size=block_size, num_blocks=blocks, lease=lease,
-                                        connector=connector, extra_config=extra_config)
+        self.h = harness or VllmHarness(
+            family,
+            block_size=block_size,
+            num_blocks=blocks,
+            lease=lease,
+            connector=connector,
+            extra_config=extra_config,
+        )
         self.header = HistoryHeader(
             policy=family,
             complete=True,
-            workers={"P0": WorkerSpec("prefill", self.h.num_blocks), "D0": WorkerSpec("decode", self.h.num_blocks)},
+            workers={
+                "P0": WorkerSpec("prefill", self.h.num_blocks),
+                "D0": WorkerSpec("decode", self.h.num_blocks),
+            },
             boundary="recompute",
             features={"boundary"},
         )
@@ -184,8 +225,12 @@ class VllmAdapter:
                     acts.append(Action("lose", "net", (worker, kind, g.request, g.gen), fault=True))
             for kind, rid in self.h.workers[side].read_notifs:
                 g = self.by_id.get(rid)
-                if (g is not None and kind in ("done", "read") and (worker, kind, rid) not in self.duplicated
-                        and (kind, rid) not in self.h.workers[side].inbox):
+                if (
+                    g is not None
+                    and kind in ("done", "read")
+                    and (worker, kind, rid) not in self.duplicated
+                    and (kind, rid) not in self.h.workers[side].inbox
+                ):
                     acts.append(Action("duplicate", "net", (worker, kind, g.request, g.gen), fault=True))
         if expire is not None and expire[1]:
             acts.append(Action("expire", "clock", (), fault=True))
@@ -262,14 +307,19 @@ class VllmAdapter:
         parts: list[Any] = [leases, tuple(sorted(self.incarnation.items()))]
         for side in ("P", "D"):
             s = self.h.sched[side]
-            parts.append((
-                tuple(sorted((rid, r.status.name, r.num_computed_tokens) for rid, r in s.requests.items())),
-                self.h.free_blocks(side),
-                len(s.waiting), len(s.running),
-                tuple(sorted(s.finished_recving_kv_req_ids)),
-                self.h.connector_pending(side),
-                self.h.workers[side].signature(),
-            ))
+            parts.append(
+                (
+                    tuple(
+                        sorted((rid, r.status.name, r.num_computed_tokens) for rid, r in s.requests.items())
+                    ),
+                    self.h.free_blocks(side),
+                    len(s.waiting),
+                    len(s.running),
+                    tuple(sorted(s.finished_recving_kv_req_ids)),
+                    self.h.connector_pending(side),
+                    self.h.workers[side].signature(),
+                )
+            )
         parts.append(tuple(sorted((d, t.state) for d, t in self.h.transfers.items())))
         parts.append(tuple(sorted((r, g.gen, g.terminal) for r, g in self.gens.items())))
         return tuple(parts)
@@ -280,8 +330,11 @@ class VllmAdapter:
         follows from an earlier decision (it comes out of the same action)."""
         ev = event.EV
         if ev == "submit":
-            return Action("submit", "client", (event.request,)) if event.gen == 0 else \
-                Action("retry", "client", (event.request,), fault=True)
+            return (
+                Action("submit", "client", (event.request,))
+                if event.gen == 0
+                else Action("retry", "client", (event.request,), fault=True)
+            )
         if ev in ("prefill_start",):
             return Action("step", "P0", ("P0",))
         if ev == "reserve":
@@ -382,7 +435,10 @@ class VllmAdapter:
         if s.running:
             return True
         for req in list(s.waiting) + list(s.kv_holding_waiting):
-            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS or req.request_id in s.finished_recving_kv_req_ids:
+            if (
+                req.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+                or req.request_id in s.finished_recving_kv_req_ids
+            ):
                 return True
         return self.h.connector_pending(side) or self.h.worker_has_output(side)
 
@@ -468,15 +524,22 @@ class VllmAdapter:
                     if self.family == "push" and not g.p_added and g.terminal is None:
                         self._add_p(g)  # D registered: the router sends P the request
                 else:
-                    if (not g.committed and status0.get(rid) == RequestStatus.WAITING_FOR_REMOTE_KVS
-                            and rid in so.num_scheduled_tokens):
+                    if (
+                        not g.committed
+                        and status0.get(rid) == RequestStatus.WAITING_FOR_REMOTE_KVS
+                        and rid in so.num_scheduled_tokens
+                    ):
                         g.committed = True
                         out.append(Commit(g.request, g.gen, g.ticket, worker))
                     out.append(Alloc(g.request, g.gen, worker, new))
         if side == "D":
             for rid in so.num_scheduled_tokens:
                 g = self.by_id.get(rid)
-                if g is not None and not g.committed and status0.get(rid) == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if (
+                    g is not None
+                    and not g.committed
+                    and status0.get(rid) == RequestStatus.WAITING_FOR_REMOTE_KVS
+                ):
                     g.committed = True
                     out.append(Commit(g.request, g.gen, g.ticket, worker))
         positions: dict[str, tuple[int, int]] = {}
@@ -510,8 +573,17 @@ class VllmAdapter:
                 if o.request_id not in positions:
                     continue
                 position, input_token = positions[o.request_id]
-                out.append(Decode(g.request, g.gen, worker, position, input_token, token,
-                                  blocks1.get(o.request_id, blocks0.get(o.request_id, []))))
+                out.append(
+                    Decode(
+                        g.request,
+                        g.gen,
+                        worker,
+                        position,
+                        input_token,
+                        token,
+                        blocks1.get(o.request_id, blocks0.get(o.request_id, [])),
+                    )
+                )
         # endings the engine reached (D finishes, D fails a load)
         for o in engine_outputs:
             g = self.by_id.get(o.request_id)
@@ -543,7 +615,9 @@ class VllmAdapter:
             # before it starts, and P keeps the blocks until the lease runs out
             t.state = "failed"
             return
-        out.append(TransferStart(g.transfer, g.ticket, g.request, g.gen, "P0", t.src_blocks, "D0", t.dst_blocks))
+        out.append(
+            TransferStart(g.transfer, g.ticket, g.request, g.gen, "P0", t.src_blocks, "D0", t.dst_blocks)
+        )
 
     def _frees(self, side: str, owners: dict[str, list[int]], refs0: list[int], out: list[Event]) -> None:
         refs1 = self.h.ref_counts(side)

@@ -180,7 +180,14 @@ def _nixl_scheduler(connector: Any) -> Any:
         sched = getattr(obj, "connector_scheduler", None)
         if sched is not None:
             return sched
-        obj = next((getattr(obj, a) for a in ("connector", "_connector", "wrapped") if getattr(obj, a, None) is not None), None)
+        obj = next(
+            (
+                getattr(obj, a)
+                for a in ("connector", "_connector", "wrapped")
+                if getattr(obj, a, None) is not None
+            ),
+            None,
+        )
         seen += 1
     raise TypeError(f"connector {type(connector).__name__} exposes no NIXL connector_scheduler")
 
@@ -245,17 +252,35 @@ class VllmHarness:
 
     # -- building -----------------------------------------------------------------
 
-    def _make_configs(self, side: str, name: str, module_path: str | None, max_num_seqs: int,
-                      max_num_batched_tokens: int) -> tuple[Any, Any]:
+    def _make_configs(
+        self, side: str, name: str, module_path: str | None, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> tuple[Any, Any]:
         import torch
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                                 SchedulerConfig, VllmConfig)
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-        model = ModelConfig(model=self._model_dir, tokenizer=self._model_dir, skip_tokenizer_init=True,
-                            dtype="float32", seed=0, max_model_len=256)
-        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                    max_model_len=256, enable_chunked_prefill=True, is_encoder_decoder=False)
+        model = ModelConfig(
+            model=self._model_dir,
+            tokenizer=self._model_dir,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            seed=0,
+            max_model_len=256,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=256,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        )
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=False)
         transfer = KVTransferConfig(
             kv_connector=name,
@@ -265,14 +290,25 @@ class VllmHarness:
             kv_connector_extra_config={**self.extra_config, "kv_lease_duration": self.lease},
             kv_load_failure_policy="fail",
         )
-        config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache,
-                            kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
+        config = VllmConfig(
+            model_config=model,
+            scheduler_config=scheduler,
+            cache_config=cache,
+            kv_transfer_config=transfer,
+            device_config=DeviceConfig("cpu"),
+        )
         config.cache_config.num_gpu_blocks = self.num_blocks
         kv_cache = KVCacheConfig(
             num_blocks=self.num_blocks,
             kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
-                block_size=self.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer"],
+                    FullAttentionSpec(
+                        block_size=self.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+                    ),
+                )
+            ],
         )
         return config, kv_cache
 
@@ -286,9 +322,13 @@ class VllmHarness:
         old = self.sched.get(side)
         if old is not None:
             self._shutdown(old)
-        self.sched[side] = Scheduler(vllm_config=config, kv_cache_config=kv_cache, log_stats=False,
-                                     structured_output_manager=StructuredOutputManager(config),
-                                     block_size=self.block_size)
+        self.sched[side] = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache,
+            log_stats=False,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=self.block_size,
+        )
         self.workers[side] = FakeWorker(side)
 
     def reset(self) -> None:
@@ -351,8 +391,12 @@ class VllmHarness:
         its worker at the next step."""
         c = self.nixl(side)
         return bool(
-            c._reqs_need_recv or c._reqs_not_processed or c._reqs_need_send or c._reqs_in_batch
-            or getattr(c, "_push_pending_registrations", None) or getattr(c, "_newly_finished_push_blocks", None)
+            c._reqs_need_recv
+            or c._reqs_not_processed
+            or c._reqs_need_send
+            or c._reqs_in_batch
+            or getattr(c, "_push_pending_registrations", None)
+            or getattr(c, "_newly_finished_push_blocks", None)
         )
 
     def leases_due(self, side: str = "P") -> list[str]:
@@ -373,14 +417,21 @@ class VllmHarness:
 
     # -- one engine step, in phases --------------------------------------------------
 
-    def add_request(self, side: str, request_id: str, prompt: list[int], max_tokens: int,
-                    params: dict | None) -> None:
+    def add_request(
+        self, side: str, request_id: str, prompt: list[int], max_tokens: int, params: dict | None
+    ) -> None:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=sampling,
-                          pooling_params=None, mm_features=None, block_hasher=None)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=sampling,
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=None,
+        )
         request.kv_transfer_params = copy.deepcopy(params)
         self.sched[side].add_request(request)
 
@@ -586,4 +637,3 @@ def _first_group(block_ids: Any) -> list[int]:
     if block_ids and isinstance(block_ids[0], (list, tuple)):
         return list(block_ids[0])
     return block_ids
-

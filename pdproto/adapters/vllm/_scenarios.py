@@ -12,7 +12,8 @@ headers say).
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -144,8 +145,10 @@ def _script(steps: Sequence[Step]):
         for action in offered:
             if (action.kind, action.actor, action.args) == (kind, actor, tuple(args)):
                 return action
-        raise ValueError(f"step {kind}{tuple(args)} by {actor} is not offered; offered: "
-                         + ", ".join(f"{a.kind}{a.args}" for a in offered))
+        raise ValueError(
+            f"step {kind}{tuple(args)} by {actor} is not offered; offered: "
+            + ", ".join(f"{a.kind}{a.args}" for a in offered)
+        )
 
     return choose
 
@@ -174,15 +177,20 @@ def expected(adapter: Any, events: Sequence[Event]) -> list[dict[str, Any]]:
     for line, event in enumerate(events, start=2):
         monitor.feed(event, line)
     monitor.finish()
-    return [{"invariant": v.invariant, "line": v.line, "witness": list(v.witness)} for v in monitor.violations]
+    return [
+        {"invariant": v.invariant, "line": v.line, "witness": list(v.witness)} for v in monitor.violations
+    ]
 
 
 def history(adapter: Any, name: str, replay_expect: list | None = None) -> tuple[Any, tuple[Event, ...]]:
     """The header and events of scenario ``name``'s example."""
 
     events = run_scenario(adapter, name)
-    extra = {"description": SCENARIOS[name].description, "expect": expected(adapter, events),
-             "replay_expect": list(replay_expect or [])}
+    extra = {
+        "description": SCENARIOS[name].description,
+        "expect": expected(adapter, events),
+        "replay_expect": list(replay_expect or []),
+    }
     return attrs.evolve(adapter.header, extra=extra), events
 
 
@@ -211,8 +219,11 @@ def write_examples(directory: str, adapters: dict[str, Any]) -> list[str]:
         except ImportError:
             paths.append(path)
             continue
-        data = [{"invariant": "kv-corruption", "line": v.line}
-                for v in result.violations if v.invariant == "kv-corruption"]
+        data = [
+            {"invariant": "kv-corruption", "line": v.line}
+            for v in result.violations
+            if v.invariant == "kv-corruption"
+        ]
         if data != kept:  # the header only changes: the scenario need not run again
             header = attrs.evolve(header, extra={**header.extra, "replay_expect": data})
             write_history(path, events, header)

