@@ -37,7 +37,7 @@ import attrs  # noqa: E402
 from pdproto.protocol import HandoffModel, ModelConfig  # noqa: E402
 from pdproto.spec import Free, HistoryHeader, PrefillStart, Reserve, TransferStart, WorkerSpec  # noqa: E402
 from pdproto.spec import Decode  # noqa: E402
-from pdproto.spec._history import write_history  # noqa: E402
+from pdproto.spec import write_history  # noqa: E402
 
 FAULTS = {"cancel": 1, "dup": 1, "loss": 1, "reorder": 1, "timeout": 1, "transfer_fail": 1, "retry": 1}
 

@@ -58,7 +58,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from pdproto.drivers._explore import explore  # noqa: E402
+from pdproto.drivers import explore  # noqa: E402
 
 import toy_model  # noqa: E402
 
@@ -92,7 +92,7 @@ def _child(spec: dict) -> dict:
     if spec["model"] == "toy":
         model = toy_model.build(tuple(spec["config"]))
     else:
-        from pdproto.drivers._loader import load_model
+        from pdproto.drivers import load_model
 
         model, _ = load_model(None, **spec.get("config", {}))
     gc.collect()
@@ -195,7 +195,7 @@ def main() -> int:
             mem_row(f"{'fingerprint' if fp else 'exact'}, GC {'frozen' if frozen else 'on'}", m)
 
     if os.path.exists(os.path.join(ROOT, "pdproto", "protocol", "_reference.py")):
-        from pdproto.drivers._loader import load_model
+        from pdproto.drivers import load_model
 
         ref, info = load_model(None)
         limit = args.reference_states or (20_000 if args.quick else None)

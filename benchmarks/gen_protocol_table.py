@@ -8,8 +8,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pdproto.protocol._reference import transition_table_markdown  # noqa: E402
-from pdproto.spec._history import POLICIES  # noqa: E402
+from pdproto.protocol import transition_table_markdown  # noqa: E402
+from pdproto.spec import POLICIES  # noqa: E402
 
 if __name__ == "__main__":
     for policy in POLICIES:

@@ -36,7 +36,7 @@ from datetime import datetime, timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pdproto.sim._workload import Arrival, Lengths, WorkloadSpec, make_workload  # noqa: E402
+from pdproto.sim import Arrival, Lengths, WorkloadSpec, make_workload  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "pdproto" / "sim" / "traces"
 ROWS = 300

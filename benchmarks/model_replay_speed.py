@@ -98,10 +98,10 @@ def colocated(m, handoffs: int, prompt: int, steps: int) -> float:
 def measure(name: str, handoffs: int, prompt: int, steps: int, threads: int) -> dict:
     import torch
 
-    from pdproto.backends._builtin_models import load_model
-    from pdproto.drivers._replay import replay
+    from pdproto.backends import load_transformer
+    from pdproto.drivers import replay
 
-    m = load_model(name)
+    m = load_transformer(name)
     m.references.clear()
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:

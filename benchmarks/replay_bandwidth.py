@@ -49,7 +49,7 @@ from pdproto import (  # noqa: E402
     TransferWriteDone,
     WorkerSpec,
 )
-from pdproto.backends._torch import TorchBackend  # noqa: E402
+from pdproto.backends import TorchBackend  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -22,8 +22,8 @@ import statistics
 import time
 
 from pdproto.sim import SimConfig, simulate
-from pdproto.sim._metrics import Metrics
-from pdproto.sim._workload import Lengths, WorkloadSpec, make_workload
+from pdproto.sim import Metrics
+from pdproto.sim import Lengths, WorkloadSpec, make_workload
 
 TARGET = 2500.0
 

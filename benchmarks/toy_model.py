@@ -11,8 +11,8 @@ that of the empty history.  The counters are interchangeable, so
 
 from __future__ import annotations
 
-from pdproto.spec._history import HistoryHeader
-from pdproto.protocol._model import Action
+from pdproto.spec import HistoryHeader
+from pdproto.protocol import Action
 
 EXPECTED = None
 

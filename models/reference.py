@@ -10,8 +10,7 @@ lost and reordered messages, restarts, timeouts, transfer failures and
 retries.  See docs/protocol.md.
 """
 
-from pdproto.protocol._config import ModelConfig
-from pdproto.protocol._reference import HandoffModel
+from pdproto.protocol import HandoffModel, ModelConfig
 
 EXPECTED = None
 PROJECT = "pdproto"

@@ -46,11 +46,11 @@ from collections.abc import Iterable
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from .drivers._fuzz import HandoffFailure as HandoffFailure
-from .drivers._machine import handoff_machine as handoff_machine
-from .drivers._machine import uniform_machine as uniform_machine
-from .protocol._config import FAULT_KINDS, ModelConfig
-from .spec._history import POLICIES
+from .drivers import HandoffFailure as HandoffFailure
+from .drivers import handoff_machine as handoff_machine
+from .drivers import uniform_machine as uniform_machine
+from .protocol import FAULT_KINDS, ModelConfig
+from .spec import POLICIES
 
 __all__ = [
     "HandoffFailure",

@@ -14,7 +14,7 @@ from pdproto import (Cancel, Commit, Decode, Finish, Free, HistoryHeader, Prefil
                      PrefillStart, Reserve, Submit, TransferReadDone, TransferStart,
                      TransferWriteDone, WorkerSpec)
 from pdproto import Renaming
-from pdproto.protocol._model import Action
+from pdproto.protocol import Action
 
 EXPECTED = None
 DEFAULT_CONFIG = None

@@ -16,9 +16,9 @@ def counterexamples(tmp_path_factory):
     finding is not a trace."""
     import glob
 
-    from pdproto.drivers._explore import explore, trace_header
-    from pdproto.drivers._loader import load_model
-    from pdproto.spec._history import write_history
+    from pdproto.drivers import explore, trace_header
+    from pdproto.drivers import load_model
+    from pdproto.spec import write_history
 
     folder = tmp_path_factory.mktemp("counterexamples")
     out = {}

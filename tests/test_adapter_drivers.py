@@ -24,9 +24,9 @@ from pdproto import (
 )
 from pdproto._cli import main
 from pdproto.drivers import audit
-from pdproto.drivers._adapter import ModelAdapter, load_adapter
-from pdproto.drivers._adapter_fuzz import fuzz_adapter, run_actions
-from pdproto.drivers._adapter_replay import replay_on_adapter
+from pdproto.drivers import ModelAdapter, load_adapter
+from pdproto.drivers import fuzz_adapter, run_actions
+from pdproto.drivers import replay_on_adapter
 
 
 class LeakyEngine:

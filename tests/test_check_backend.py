@@ -100,9 +100,9 @@ def test_missing_torch_is_one_clear_message(capsys, monkeypatch):
 def test_fast_copy_matches_deepcopy(torch):
     """TorchBackend.copy() (used per explored state) behaves like deepcopy:
     branch at every prefix of a corrupting history and finish both."""
-    from pdproto.drivers._explore import explore
-    from pdproto.drivers._loader import load_model
-    from pdproto.backends._torch import TorchBackend
+    from pdproto.drivers import explore
+    from pdproto.drivers import load_model
+    from pdproto.backends import TorchBackend
 
     model, _ = load_model("restart_without_fencing")
     r = explore(model)

@@ -184,7 +184,7 @@ MUTANTS = [
 @pytest.mark.parametrize("name,line", MUTANTS)
 def test_rejects_mutant_counterexample(name, line):
     from pdproto.drivers import explore, load_model
-    from pdproto.drivers._results import trace_header
+    from pdproto.drivers import trace_header
 
     model, _ = load_model(name)
     found = explore(model, max_states=200_000)
@@ -259,7 +259,7 @@ def test_an_erased_counterexample_the_reference_can_also_produce():
     # without the read and write completions and the commit, P's early free is explained by a
     # reference run in which the read landed unobserved first: conformance cannot object
     from pdproto.drivers import explore, load_model
-    from pdproto.drivers._results import trace_header
+    from pdproto.drivers import trace_header
 
     model, _ = load_model("p-frees-source-on-timer")
     found = explore(model, max_states=200_000)

@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from pdproto._cli import main
-from pdproto.cost._model import (
+from pdproto.cost import (
     DTYPE_BYTES,
     GIB,
     MIB,
@@ -23,7 +23,7 @@ from pdproto.cost._model import (
     format_bytes,
 )
 from pdproto._errors import UsageError
-from pdproto.cost._plot import timeline_svg, write_plot
+from pdproto.cost import timeline_svg, write_plot
 
 TEACHING = KVShape.gqa(32, 8, 128, "bf16")
 

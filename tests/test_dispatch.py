@@ -13,7 +13,7 @@ from typing import Mapping
 import pytest
 
 from pdproto.spec import _events, _monitor
-from pdproto.spec._events import EVENT_TYPES, Event
+from pdproto.spec import EVENT_TYPES, Event
 
 KINDS = frozenset(EVENT_TYPES)
 CLASSES = frozenset(EVENT_TYPES.values())

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from pdproto import Monitor
-from pdproto.drivers._explore import Counterexample, ExploreResult, explore, rename_monitor_key, rerun
+from pdproto.drivers import Counterexample, ExploreResult, explore, rename_monitor_key, rerun
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _toy_handoff as toy  # noqa: E402
@@ -414,7 +414,7 @@ def test_memory_accounting_and_fingerprint_is_far_smaller():
 
 
 def test_interned_states_share_parts_and_keep_verdicts():
-    from pdproto.drivers._loader import load_model
+    from pdproto.drivers import load_model
 
     model, _ = load_model(None, faults={"cancel": 1, "transfer_fail": 1, "restart": 1})
     a = explore(model, symmetry=False, stop_on_first=False)
@@ -426,7 +426,7 @@ def test_interned_states_share_parts_and_keep_verdicts():
 
 @pytest.mark.parametrize("mutant", ["p_frees_source_on_timer", "restart_without_fencing"])
 def test_interning_keeps_mutant_counterexamples(mutant):
-    from pdproto.drivers._loader import load_model
+    from pdproto.drivers import load_model
 
     model, _ = load_model(mutant)
     a = explore(model)

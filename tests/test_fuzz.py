@@ -243,7 +243,7 @@ def test_fuzz_model_that_is_no_handoff():
     """No header, no actor, no events: the model's own state invariant fails."""
     import os
 
-    from pdproto.drivers._loader import load_model as load
+    from pdproto.drivers import load_model as load
 
     path = os.path.join(os.path.dirname(__file__), "_counter_model.py")
     clean, _ = load(path + ":model")
@@ -284,7 +284,7 @@ def test_draws_fall_back_to_public_api(monkeypatch):
 def test_database_is_kept_apart_per_model(tmp_path):
     from hypothesis.database import InMemoryExampleDatabase
 
-    from pdproto.drivers._hypothesis import namespaced_database
+    from pdproto.drivers import namespaced_database
 
     inner = InMemoryExampleDatabase()
     a, b = namespaced_database(inner, "model a"), namespaced_database(inner, "model b")

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from conftest import ROOT
 from pdproto._cli import main
 from pdproto._errors import LimitError, ModelLoadError, UsageError, parse_int
-from pdproto.drivers._loader import load_model
+from pdproto.drivers import load_model
 from pdproto.spec import _history
-from pdproto.spec._history import HistoryReader
+from pdproto.spec import HistoryReader
 
 BIG = "1" + "0" * 400  # 10**400: under Python's 4300-digit limit, over any size
 HUGE = "9" * 5000  # over the limit

@@ -14,8 +14,8 @@ import pytest
 
 from pdproto import UsageError
 from pdproto.importers import ENGINES, LOG_LINE_KEY, import_log
-from pdproto.importers._base import LogImporter, run_import
-from pdproto.importers._vllm import VllmImporter
+from pdproto.importers import LogImporter, run_import
+from pdproto.importers import VllmImporter
 from pdproto.spec import open_history
 
 LOGS = pathlib.Path(__file__).parent / "data" / "logs"
@@ -183,7 +183,7 @@ def test_examples_are_capped_but_all_counted(tmp_path):
 
 
 def test_the_tracked_ids_are_bounded():
-    from pdproto.importers._base import Bounded
+    from pdproto.importers import Bounded
 
     seen = Bounded(limit=3)
     for i in range(5):

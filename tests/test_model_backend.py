@@ -19,12 +19,12 @@ pytest.importorskip("transformers")
 from conftest import EXAMPLES, ROOT  # noqa: E402
 
 from pdproto import UsageError  # noqa: E402
-from pdproto.backends._builtin_models import load_model  # noqa: E402
+from pdproto.backends import load_transformer  # noqa: E402
 from pdproto.backends._transformer import ModelBackend, prompt_tokens, _forward  # noqa: E402
-from pdproto.drivers._explore import explore, trace_header  # noqa: E402
-from pdproto.drivers._loader import load_model as load_protocol_model  # noqa: E402
-from pdproto.drivers._replay import LOGIT_DIVERGENCE, ReplayResult, model_backend_factory, replay  # noqa: E402
-from pdproto.spec._history import HistoryHeader, open_history, write_history  # noqa: E402
+from pdproto.drivers import explore, trace_header  # noqa: E402
+from pdproto.drivers import load_model as load_protocol_model  # noqa: E402
+from pdproto.drivers import LOGIT_DIVERGENCE, ReplayResult, model_backend_factory, replay  # noqa: E402
+from pdproto.spec import HistoryHeader, open_history, write_history  # noqa: E402
 
 TWO = {"P0": {"role": "prefill", "blocks": 8}, "D0": {"role": "decode", "blocks": 8}}
 
@@ -238,7 +238,7 @@ def test_sliding_window_reads_only_the_window(tmp_path, bad_index, seen):
 def test_reference_is_the_models_own_greedy_decoding(name):
     """The one computation both sides use gives transformers' own greedy
     tokens (generate), over a prompt longer than tiny-mistral's window."""
-    m = load_model(name)
+    m = load_transformer(name)
     prompt = prompt_tokens("r1", 0, 20, m.vocab)
     empty = torch.zeros((0, m.layers, 2, m.kv_heads, m.head_dim))
     logits, kv = _forward(m, empty, prompt, 0, torch.device("cpu"))
@@ -258,8 +258,8 @@ def test_reference_is_the_models_own_greedy_decoding(name):
 
 @pytest.mark.parametrize("dtype, attention", [("bfloat16", "sdpa"), ("float32", "eager")])
 def test_bfloat16_and_eager_attention_are_bit_exact(dtype, attention):
-    m = load_model("tiny-llama", dtype=dtype, attention=attention)
-    assert load_model("tiny-llama", dtype=dtype, attention=attention) is m
+    m = load_transformer("tiny-llama", dtype=dtype, attention=attention)
+    assert load_transformer("tiny-llama", dtype=dtype, attention=attention) is m
     for example in ("clean-push", "clean-shared-prefix"):
         ok = replay(os.path.join(EXAMPLES, example + ".jsonl"), model=m, tp="2:1")
         assert ok.ok, ok.violations
@@ -281,7 +281,7 @@ def test_prompts_are_deterministic_and_differ():
 
 
 def test_a_local_model_folder_loads_by_path(tmp_path):
-    m = load_model("tiny-llama")
+    m = load_transformer("tiny-llama")
     m.model.save_pretrained(tmp_path / "mine")
     r = replay(os.path.join(EXAMPLES, "clean-push.jsonl"), model=str(tmp_path / "mine"))
     assert r.ok and r.backend["model"]["name"] == "mine"
@@ -336,7 +336,7 @@ def continue_decoding(path: str, out: str) -> str:
     """``path`` continued as far as D would go: transfers still in flight
     land, tickets not committed commit, and every committed generation that
     has not decoded decodes two steps through its reserved blocks."""
-    from pdproto.spec._events import Commit, Decode, TransferReadDone, TransferWriteDone
+    from pdproto.spec import Commit, Decode, TransferReadDone, TransferWriteDone
 
     with open_history(path) as reader:
         header, events = reader.header, [e for _, e in reader]
@@ -417,7 +417,7 @@ def test_search_with_the_model_backend_finds_data_corruption():
     """``explore`` (pdproto check --backend) copies the model backend per state."""
     model, _info = load_protocol_model(os.path.join(ROOT, "models", "p_frees_source_on_timer.py"))
     header = getattr(model, "header", None) or HistoryHeader()
-    loaded = load_model("tiny-llama")
+    loaded = load_transformer("tiny-llama")
     res = explore(model, backend=lambda: ModelBackend(header, model=loaded), monitor=False, stop_on_first=True,
                   max_states=5000)
     assert not res.ok

@@ -11,11 +11,11 @@ import json
 import attrs
 import pytest
 
-from pdproto.drivers._explore import explore
+from pdproto.drivers import explore
 from pdproto.protocol import FAULT_KINDS, HandoffModel, ModelConfig
-from pdproto.protocol._reference import Handoff
-from pdproto.spec._history import POLICIES
-from pdproto.spec._monitor import Monitor
+from pdproto.protocol import Handoff
+from pdproto.spec import POLICIES
+from pdproto.spec import Monitor
 
 PREFIX = dict(block_size=2, prompt_len=3, prefix_cache=True)
 

@@ -17,7 +17,7 @@ MODELS = sorted(
 
 
 def _module(name):
-    from pdproto.drivers._loader import load_model
+    from pdproto.drivers import load_model
 
     _, info = load_model(name)
     return info.module

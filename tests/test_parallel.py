@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from pdproto.drivers._explore import explore
-from pdproto.drivers._loader import load_model
-from pdproto.spec._monitor import Monitor
+from pdproto.drivers import explore
+from pdproto.drivers import load_model
+from pdproto.spec import Monitor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
@@ -129,8 +129,8 @@ class _Fan:
     and still trace the deepest state back."""
 
     def __init__(self, fan: int) -> None:
-        from pdproto.protocol._model import Action
-        from pdproto.spec._history import HistoryHeader
+        from pdproto.protocol import Action
+        from pdproto.spec import HistoryHeader
 
         self.name, self.fan = "fan", fan
         self.header = HistoryHeader(policy="push", complete=True)

@@ -14,7 +14,7 @@ import pytest
 
 from pdproto import fuzz, load_model
 from pdproto._cli import main
-from pdproto.drivers._parallel_fuzz import max_local_workers, merge, plan, split_examples, worker_seed
+from pdproto.drivers import max_local_workers, merge, plan, split_examples, worker_seed
 
 pytest_plugins = ["pytester"]
 
@@ -114,7 +114,7 @@ def test_split_examples():
 
 def test_workers_far_above_the_cpus_refused(tmp_path, capsys, monkeypatch):
     from pdproto import UsageError
-    from pdproto.drivers._parallel_fuzz import max_local_workers
+    from pdproto.drivers import max_local_workers
 
     limit = max_local_workers()
     model, _ = load_model("reference")
@@ -320,7 +320,7 @@ def test_cli_bad_parallel_input_one_line_exit_2(args, tmp_path, capsys, monkeypa
 
 def test_ray_missing_names_the_extra(monkeypatch):
     from pdproto import MissingExtraError
-    from pdproto.drivers._ray_fuzz import import_ray
+    from pdproto.drivers import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(MissingExtraError) as exc:
@@ -400,7 +400,7 @@ def test_plugin_under_xdist(pytester):
 def test_a_worker_that_crashes_is_named(capsys, tmp_path, monkeypatch):
     """A model that raises (not a violation) in a worker: FuzzWorkerError
     naming the worker and the error, one line from the CLI (exit 2)."""
-    from pdproto.drivers._parallel_fuzz import FuzzWorkerError
+    from pdproto.drivers import FuzzWorkerError
 
     model, _ = load_model("reference")
 

@@ -14,11 +14,11 @@ import pytest
 
 import models
 from pdproto.protocol import REFERENCE, End, Kind, MsgKind, Phase, RuleBook, XferState
-from pdproto.protocol._config import FAULT_KINDS, ModelConfig
-from pdproto.protocol._model import Action, ActionNotEnabled
-from pdproto.protocol._reference import Handoff, HandoffModel, HState, transition_table, transition_table_markdown
-from pdproto.spec._history import POLICIES
-from pdproto.spec._monitor import Monitor
+from pdproto.protocol import FAULT_KINDS, ModelConfig
+from pdproto.protocol import Action, ActionNotEnabled
+from pdproto.protocol import Handoff, HandoffModel, HState, transition_table, transition_table_markdown
+from pdproto.spec import POLICIES
+from pdproto.spec import Monitor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MUTANTS = sorted(
@@ -172,7 +172,7 @@ def test_reference_two_requests_some_faults(policy):
 def test_reference_default_config_pull_explored():
     """The reference's default configuration in pull mode, explored in full
     (push is checked by tests/test_models.py through ``pdproto check``)."""
-    from pdproto.drivers._explore import explore
+    from pdproto.drivers import explore
 
     ref = importlib.import_module("models.reference")
     r = explore(ref.build(attrs.evolve(ref.DEFAULT_CONFIG, policy="pull")))
@@ -184,7 +184,7 @@ def test_reference_default_config_pull_explored():
 
 
 def test_sometimes_reachable_small(policy):
-    from pdproto.drivers._explore import explore
+    from pdproto.drivers import explore
 
     m = HandoffModel(ModelConfig(policy=policy, requests=2, blocks=1, faults={k: 1 for k in FAULT_KINDS if k not in ("restart", "retry")}))
     r = explore(m)
@@ -230,7 +230,7 @@ def test_mutant_caught_by_intended_invariant(name):
 def test_mutant_counterexample_is_shortest(name, symmetry):
     """The explorer's counterexample has exactly the shortest length this
     file's own BFS finds, and the intended invariant."""
-    from pdproto.drivers._explore import explore
+    from pdproto.drivers import explore
 
     mod = importlib.import_module(f"models.{name}")
     _, found = bfs(mod.build(mod.DEFAULT_CONFIG))
@@ -406,7 +406,7 @@ def _orbit(model, s, mkey):
     pool: written here independently of HandoffModel.symmetry."""
     from itertools import permutations, product
 
-    from pdproto.drivers._explore import rename_monitor_key
+    from pdproto.drivers import rename_monitor_key
 
     reqs, xfers, msgs, inc, budget = s
     n = sum(1 for q in reqs if q.gen >= 0)
@@ -470,7 +470,8 @@ def test_symmetry_reduction_is_sound(policy, cfg):
     reaches a representative of every orbit of the reachable product states
     (orbits computed by brute force over every renaming), keeps one key per
     state it stores, and stores as many states as the explorer."""
-    from pdproto.drivers._explore import Renaming, explore, rename_monitor_key
+    from pdproto import Renaming
+    from pdproto.drivers import explore, rename_monitor_key
 
     model = HandoffModel(ModelConfig(policy=policy, **cfg))
 

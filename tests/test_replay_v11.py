@@ -20,7 +20,7 @@ from test_torch_backend import run_backend as run  # noqa: E402
 from pdproto import Commit, Decode, Finish, Free, HistoryHeader, PrefillDone, PrefillStart  # noqa: E402
 from pdproto import Reserve, Restart, Submit, TransferReadDone, TransferStart, TransferWriteDone  # noqa: E402
 from pdproto import WorkerSpec, write_history  # noqa: E402
-from pdproto.backends._torch import TorchBackend  # noqa: E402
+from pdproto.backends import TorchBackend  # noqa: E402
 from pdproto.spec import KVSpec, Share  # noqa: E402
 
 

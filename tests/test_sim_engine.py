@@ -14,9 +14,9 @@ from pdproto.cost import GIB
 from pdproto.sim import PiecewiseLinear, Roofline, SimConfig, simulate
 from pdproto.sim import SimulationCheckError
 from pdproto.sim._engine import _Sim
-from pdproto.sim._latency import DEVICES, MODELS
-from pdproto.sim._metrics import Metrics, RequestRecord
-from pdproto.sim._workload import SimRequest
+from pdproto.sim import DEVICES, MODELS
+from pdproto.sim import Metrics, RequestRecord
+from pdproto.sim import SimRequest
 from pdproto.spec import Monitor, TransferWriteDone, open_history
 
 #: The seed's section 05 timing as a table: a prefill of any size 40 ms, a decode step 4 ms.

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pdproto._errors import UsageError
-from pdproto.sim._metrics import SLO, Gauge, Metrics, RequestRecord, percentile, stats
+from pdproto.sim import SLO, Gauge, Metrics, RequestRecord, percentile, stats
 
 np = pytest.importorskip("numpy")
 
@@ -295,7 +295,7 @@ def two_arms() -> dict[str, Metrics]:
 @pytest.mark.slow
 def test_plots_write_files(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("matplotlib")
-    from pdproto.sim._plot import (
+    from pdproto.sim import (
         plot_cdfs,
         plot_goodput_vs_rate,
         plot_goodput_vs_ratio,
@@ -323,7 +323,7 @@ def test_plots_write_files(tmp_path: pathlib.Path) -> None:
 
 def test_timeline_plot(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("matplotlib")
-    from pdproto.sim._plot import plot_timeline
+    from pdproto.sim import plot_timeline
 
     path = plot_timeline([record(0, 0.0, [0.07, 0.074]), record(1, 0.0, [0.04, 0.066])], tmp_path / "t.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -334,7 +334,7 @@ def test_timeline_plot_draws_the_handoff_the_records_carry(tmp_path: pathlib.Pat
     prefill (0-40 ms) and its KV transfer (42-62 ms); colocated's has no transfer."""
     matplotlib = pytest.importorskip("matplotlib")
     from pdproto.sim import PiecewiseLinear, SimConfig, SimRequest, simulate
-    from pdproto.sim._plot import plot_timeline
+    from pdproto.sim import plot_timeline
 
     table = PiecewiseLinear([(1, 40.0), (10_000, 40.0)], [(1, 4.0), (10_000, 4.0)])
     recs = []
@@ -352,7 +352,7 @@ def test_plot_bad_input(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch)
     import sys
 
     from pdproto._errors import MissingExtraError
-    from pdproto.sim._plot import plot_cdfs, plot_timeline
+    from pdproto.sim import plot_cdfs, plot_timeline
 
     with pytest.raises(UsageError, match="metric"):
         plot_cdfs(two_arms(), tmp_path / "x.png", metrics=("goodput",))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdproto.sim._engine import SimConfig
-from pdproto.sim._metrics import SLO
-from pdproto.sim._sweep import SweepRow, max_rate
-from pdproto.sim._workload import WorkloadSpec
+from pdproto.sim import SimConfig
+from pdproto.sim import SLO
+from pdproto.sim import SweepRow, max_rate
+from pdproto.sim import WorkloadSpec
 
 SLOW_LINK = SimConfig(arm="pd", n_p=1, n_d=1, devices=2, bandwidth_gibps=1.0)
 SPEC = WorkloadSpec.poisson(1.0, 2000, 20)
@@ -53,7 +53,7 @@ def test_the_ratio_plot_draws_a_line_for_each_reference_arm(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("budget", range(1, 9))
 def test_splits_lists_every_configuration_of_the_budget_with_tp_per_role(budget: int) -> None:
-    from pdproto.sim._sweep import splits
+    from pdproto.sim import splits
 
     tps = (1, 2)
     got = [(c.arm, c.tp) if c.arm != "pd" else ("pd", c.n_p, c.n_d, c.tp_p, c.tp_d)

@@ -29,10 +29,10 @@ import attrs
 import pytest
 
 from pdproto.cost import CostModel, estimate
-from pdproto.sim._engine import SimConfig, SimResult, simulate
-from pdproto.sim._latency import PiecewiseLinear
-from pdproto.sim._metrics import SLO, Metrics, RequestRecord
-from pdproto.sim._workload import Arrival, Lengths, SimRequest, WorkloadSpec, make_workload
+from pdproto.sim import SimConfig, SimResult, simulate
+from pdproto.sim import PiecewiseLinear
+from pdproto.sim import SLO, Metrics, RequestRecord
+from pdproto.sim import Arrival, Lengths, SimRequest, WorkloadSpec, make_workload
 
 # -- conservation and Little's law ----------------------------------------------------------
 
@@ -260,8 +260,8 @@ def test_the_pd_picker_agrees_with_distserve_and_the_planner() -> None:
     2P1D is the best split (DistServe's pick), and at its rate Dynamo's closed form asks for
     the same 2:1.  (The splits are walked here rather than through ``sweep``, to bisect to 2%
     instead of the sweep's 5%.)"""
-    from pdproto.sim._sweep import max_rate as picker_max_rate
-    from pdproto.sim._sweep import splits
+    from pdproto.sim import max_rate as picker_max_rate
+    from pdproto.sim import splits
 
     spec = WorkloadSpec.poisson(4.0, 512, 64)
     base = SimConfig(arm="pd", **TOY)

@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from pdproto._errors import PdprotoError, UsageError
-from pdproto.sim._workload import (
+from pdproto.sim import (
     Arrival,
     Cancellation,
     Lengths,

@@ -38,7 +38,7 @@ from pdproto import (  # noqa: E402
     write_history,
 )
 from pdproto._cli import main  # noqa: E402
-from pdproto.backends._torch import KVCorruption, TorchBackend, rank_heads  # noqa: E402
+from pdproto.backends import KVCorruption, TorchBackend, rank_heads  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -578,7 +578,7 @@ def test_random_walks_of_the_reference_model_replay_clean(mode, seed):
 
 def test_memory_counts_every_pool_and_grows_within_the_limit():
     from pdproto._errors import LimitError
-    from pdproto.backends._torch import TorchBackend
+    from pdproto.backends import TorchBackend
 
     header = HistoryHeader(workers={"P0": WorkerSpec("prefill", 8), "D0": WorkerSpec("decode", 8)})
     b = TorchBackend(header, tp=(2, 1))
@@ -600,7 +600,7 @@ def test_memory_counts_every_pool_and_grows_within_the_limit():
 
 def test_sizes_are_checked_before_anything_is_allocated():
     from pdproto._errors import LimitError
-    from pdproto.backends._torch import DEFAULT_MAX_MEMORY, TorchBackend
+    from pdproto.backends import DEFAULT_MAX_MEMORY, TorchBackend
 
     # a declared pool is not allocated up front: it is the blocks the history touches
     header = HistoryHeader(workers={"P0": WorkerSpec("prefill", 10**400)})
@@ -617,7 +617,7 @@ def test_sizes_are_checked_before_anything_is_allocated():
 
 
 def test_positions_past_the_table_are_reported_not_allocated():
-    from pdproto.backends._torch import TorchBackend
+    from pdproto.backends import TorchBackend
 
     b = TorchBackend(max_memory=64 << 20)
     b.apply(Submit("r", 0, 10**400), 1)
@@ -631,7 +631,7 @@ def test_positions_past_the_table_are_reported_not_allocated():
 
 def test_torch_dtypes_and_tp_in_ascii_digits():
     from pdproto._errors import UsageError
-    from pdproto.backends._torch import TORCH_DTYPES, parse_tp
+    from pdproto.backends import TORCH_DTYPES, parse_tp
 
     assert TORCH_DTYPES["bfloat16"] is torch.bfloat16
     assert parse_tp("2:1") == (2, 1)

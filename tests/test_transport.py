@@ -18,7 +18,7 @@ from conftest import EXAMPLES  # noqa: E402
 
 from pdproto import HistoryHeader, TransportError, UsageError  # noqa: E402
 from pdproto._cli import main  # noqa: E402
-from pdproto.backends._transport import (  # noqa: E402
+from pdproto.backends import (  # noqa: E402
     BlockMove,
     CopyTransport,
     Transfer,
@@ -27,7 +27,7 @@ from pdproto.backends._transport import (  # noqa: E402
     byte_runs,
     make_transport,
 )
-from pdproto.drivers._replay import replay  # noqa: E402
+from pdproto.drivers import replay, torch_backend_factory  # noqa: E402
 
 
 def pools(seed=0, blocks=6, bs=4, layers=3, kv=2, heads=4, dim=8):
@@ -281,8 +281,8 @@ def test_the_backend_does_not_stamp_a_cancelled_write_as_landed():
     """early-target-reuse: the history aborts x-r1-0; a library that cancels
     it leaves the target as it was, and the backend knows it (no
     kv-corruption from bytes that never landed)."""
-    from pdproto.backends._torch import TorchBackend
-    from pdproto.spec._history import open_history
+    from pdproto.backends import TorchBackend
+    from pdproto.spec import open_history
 
     path = os.path.join(EXAMPLES, "early-target-reuse.jsonl")
     t = Scripted(lands=False, abort_timeout=0.01)
@@ -309,8 +309,8 @@ def test_replay_policy_reaches_the_transport():
 def test_an_injected_failure_never_writes_into_the_target_pool():
     """A library that moves the bytes of a transfer it was to fail: they
     land in a scratch block, not in D's pool."""
-    from pdproto.backends._torch import TorchBackend
-    from pdproto.spec._history import open_history
+    from pdproto.backends import TorchBackend
+    from pdproto.spec import open_history
 
     path = os.path.join(EXAMPLES, "retry-after-failure.jsonl")
     t = Scripted()
@@ -346,7 +346,7 @@ def test_transport_error_lives_in_layer_0_and_the_names_are_exported():
 
 
 def test_the_cli_transport_choices_are_the_one_table(capsys):
-    from pdproto.backends._transports_table import TRANSPORTS
+    from pdproto.backends import TRANSPORTS
 
     for argv in (["replay", os.path.join(EXAMPLES, "clean-push.jsonl")], ["check", "p-frees-source-on-timer"],
                  ["fuzz", "p-frees-source-on-timer"]):
@@ -355,7 +355,7 @@ def test_the_cli_transport_choices_are_the_one_table(capsys):
 
 
 def test_a_factory_closes_the_transport_it_made_and_not_one_given(monkeypatch):
-    from pdproto.drivers import _replay
+    import pdproto.backends
 
     closed = []
 
@@ -364,13 +364,13 @@ def test_a_factory_closes_the_transport_it_made_and_not_one_given(monkeypatch):
             closed.append(self)
 
     made = Closing()
-    monkeypatch.setattr(_replay, "load_transport", lambda name: made)
-    f = _replay.torch_backend_factory(transport="nixl")
+    monkeypatch.setattr(pdproto.backends, "make_transport", lambda name, **options: made)
+    f = torch_backend_factory(transport="nixl")
     assert f.transport is made and f(HistoryHeader()).transport is made
     f.close()
     assert closed == [made]
     given = Closing()
-    g = _replay.torch_backend_factory(transport=given)
+    g = torch_backend_factory(transport=given)
     g.close()
     assert closed == [made]
 
@@ -381,7 +381,7 @@ def test_a_factory_closes_the_transport_it_made_and_not_one_given(monkeypatch):
      "--seed", "1", "--no-database"],
 ], ids=["check", "fuzz"])
 def test_check_and_fuzz_close_their_transport(argv, monkeypatch, capsys):
-    from pdproto.drivers import _replay
+    import pdproto.backends
 
     closed = []
 
@@ -389,7 +389,7 @@ def test_check_and_fuzz_close_their_transport(argv, monkeypatch, capsys):
         def close(self):
             closed.append(self)
 
-    monkeypatch.setattr(_replay, "load_transport", lambda name: Closing())
+    monkeypatch.setattr(pdproto.backends, "make_transport", lambda name, **options: Closing())
     main(argv + ["--json"])
     capsys.readouterr()
     assert len(closed) == 1

@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 
 from conftest import EXAMPLES, MUTANTS, delta, verdicts  # noqa: E402
 
-from pdproto.backends._transport import BlockMove, Transfer  # noqa: E402
-from pdproto.drivers._replay import replay  # noqa: E402
+from pdproto.backends import BlockMove, Transfer  # noqa: E402
+from pdproto.drivers import replay  # noqa: E402
 
 EXAMPLE_FILES = sorted(glob.glob(os.path.join(EXAMPLES, "*.jsonl")))
 
@@ -50,7 +50,7 @@ def transport(request):
     why = _loads(LIBRARIES[request.param][0])
     if why is not None:
         pytest.skip(f"the {request.param} library does not load here: {why}")
-    from pdproto.backends._transport import make_transport
+    from pdproto.backends import make_transport
 
     t = make_transport(request.param)
     yield t
@@ -104,7 +104,7 @@ def test_failed_transfer_is_an_error_the_library_reports(transport):
     """On a fresh transport: Mooncake's engine, after many replays and
     injected failures on one engine pair, now and then refuses the retry
     that follows a failure (status -1; not understood yet, see docs/replay.md)."""
-    from pdproto.backends._transport import make_transport
+    from pdproto.backends import make_transport
 
     fresh = make_transport(transport.name)
     try:

@@ -37,9 +37,9 @@ from pdproto import (  # noqa: E402
     write_history,
 )
 from pdproto._cli import main  # noqa: E402
-from pdproto.backends._nixl import NixlTransport  # noqa: E402
-from pdproto.backends._transport import BlockMove, Transfer  # noqa: E402
-from pdproto.drivers._replay import replay, torch_backend_factory  # noqa: E402
+from pdproto.backends import NixlTransport  # noqa: E402
+from pdproto.backends import BlockMove, Transfer  # noqa: E402
+from pdproto.drivers import replay, torch_backend_factory  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from conftest import EXAMPLES  # noqa: E402
 
 from pdproto import Monitor  # noqa: E402
 from pdproto.adapters.vllm import KNOWN, VllmAdapter  # noqa: E402
-from pdproto.adapters.vllm._scenarios import SCENARIOS, expected, run_scenario  # noqa: E402
+from pdproto.adapters.vllm import SCENARIOS, expected, run_scenario  # noqa: E402
 from pdproto.adapters.vllm._support import _parse, require_vllm  # noqa: E402
 from pdproto.protocol import Action, ActionNotEnabled  # noqa: E402
 
@@ -232,7 +232,7 @@ def test_pdproto_replay_reenacts_every_example(request, name):
     each example records (no event missing, extra or refused), and the
     monitor finds the example's violations (a complete example's leak and
     stuck too: the re-enactment runs to the same end)."""
-    from pdproto.drivers._adapter_replay import replay_on_adapter
+    from pdproto.drivers import replay_on_adapter
 
     scenario = SCENARIOS[name]
     adapter = family(request, scenario.family)

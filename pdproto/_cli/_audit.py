@@ -7,9 +7,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import UsageError
-from ..drivers._audit import AuditResult, audit
-from ..spec._history import MAX_LINE_BYTES, POLICIES
-from ..spec._monitor import INVARIANTS
+from ..drivers import AuditResult, audit
+from ..spec import INVARIANTS, MAX_LINE_BYTES, POLICIES
 from ._args import esc, positive_int, print_result
 
 

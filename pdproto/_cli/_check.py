@@ -8,8 +8,8 @@ import sys
 from typing import Any
 
 from .._errors import UsageError
-from ..backends._transports_table import TRANSPORTS
-from ..spec._history import POLICIES
+from ..backends import TRANSPORTS
+from ..spec import POLICIES
 from . import EXIT_OK, EXIT_VIOLATION, positive_int
 from ._args import check_output_path, esc, print_json
 
@@ -174,9 +174,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from ..drivers._explore import explore
-    from ..drivers._loader import list_models, load_model
-    from ..protocol._config import parse_faults
+    from ..drivers import explore, list_models, load_model
+    from ..protocol import parse_faults
 
     if args.list:
         return _list(args, console, list_models())
@@ -347,12 +346,12 @@ def _backend_options(args: argparse.Namespace) -> dict[str, Any] | None:
 def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
     """A factory of torch backends for ``model``'s header; imports torch (a
     clear error, exit 2, when it is missing)."""
-    from ..drivers._replay import load_torch_backend
-    from ..spec._history import HistoryHeader
+    from ..drivers import load_torch_backend
+    from ..spec import HistoryHeader
 
     header = getattr(model, "header", None) or HistoryHeader()
     if "model" in opts:  # a real transformer beside the ownership channel (its own layers and heads)
-        from ..drivers._replay import model_backend_factory
+        from ..drivers import model_backend_factory
 
         make = model_backend_factory(
             opts["model"], device=opts["device"], dtype=opts["dtype"], head_dim=opts["head_dim"]
@@ -364,7 +363,7 @@ def _backend_factory(model: Any, opts: dict[str, Any]) -> Any:
     tb = load_torch_backend()
     if "transport" in opts and "model" in opts:
         raise UsageError("--transport with --transformer", opts["transport"], "copy")
-    from ..drivers._replay import load_transport
+    from ..drivers import load_transport
 
     tr = load_transport(opts.get("transport"))  # one transport (its agents) for every state's backend
     # one backend now: a bad --device or --dtype fails before the search
@@ -426,7 +425,7 @@ def _config_dict(config: Any) -> Any:
 
 
 def _list(args: argparse.Namespace, console: Any, models: list) -> int:
-    from ..drivers._catalogue import list_rows  # the catalogue's rows in short (docs/bugs.md in full)
+    from ..drivers import list_rows  # the catalogue's rows in short (docs/bugs.md in full)
 
     rows = list_rows(models)
     if args.json:
@@ -655,8 +654,8 @@ def _config_text(config: Any) -> str:
 
 
 def _write_trace(path: str, result: Any, cx: Any) -> str:
-    from ..drivers._explore import trace_header
-    from ..spec._history import write_history
+    from ..drivers import trace_header
+    from ..spec import write_history
 
     try:
         write_history(path, cx.events, trace_header(result.header, cx))

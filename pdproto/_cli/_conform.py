@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..drivers._conform import ConformanceResult, conform
-from ..spec._events import EVENT_TYPES
-from ..spec._history import POLICIES
+from ..drivers import ConformanceResult, conform
+from ..spec import EVENT_TYPES, POLICIES
 from ._args import esc, positive_int, print_result
 from ._audit import print_violations
 

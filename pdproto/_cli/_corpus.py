@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from ..drivers._catalogue import corpus_dir, run_corpus
+    from ..drivers import corpus_dir, run_corpus
 
     directory = args.dir if args.dir is not None else corpus_dir()
     cases = run_corpus(directory, adapter=args.adapter)

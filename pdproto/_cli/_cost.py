@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._errors import UsageError
-from ..cost._model import (
+from ..cost import (
     DTYPE_BYTES,
     PRESETS,
     CostModel,
@@ -354,7 +354,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     """Run ``pdproto cost``; 0 on success (bad values raise UsageError -> exit 2)."""
     label, report = _build(args)
     if args.plot is not None:
-        from ..cost._plot import write_plot
+        from ..cost import write_plot
 
         try:
             write_plot(report, args.plot)

@@ -9,8 +9,8 @@ import sys
 from typing import Any
 
 from .._errors import UsageError, parse_int
-from ..backends._transports_table import TRANSPORTS
-from ..spec._history import POLICIES
+from ..backends import TRANSPORTS
+from ..spec import POLICIES
 from . import positive_int
 from ._args import check_output_path, esc, print_result
 
@@ -178,9 +178,8 @@ def parse_workers(text: str) -> tuple[int, int]:
 def run(args: argparse.Namespace, console: Any) -> int:
     if args.adapter is not None:
         return run_adapter(args, console)
-    from ..drivers._fuzz import FuzzStats, fuzz
-    from ..drivers._loader import load_model
-    from ..protocol._config import parse_faults
+    from ..drivers import FuzzStats, fuzz, load_model
+    from ..protocol import parse_faults
 
     processes, pd = split_workers(args.workers)
     workers = parse_workers(pd) if pd else (None, None)
@@ -217,7 +216,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if args.backend == "torch":
         if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
             raise UsageError("--device", args.device, "cpu or cuda")
-        from ..drivers._replay import model_backend_factory, torch_backend_factory
+        from ..drivers import model_backend_factory, torch_backend_factory
 
         if args.transformer is not None:
             backend = model_backend_factory(args.transformer, device=args.device, dtype=args.dtype)
@@ -338,8 +337,7 @@ def run_adapter(args: argparse.Namespace, console: Any) -> int:
     """``pdproto fuzz --adapter NAME``: fuzz a real system through its adapter."""
     import time
 
-    from ..drivers._adapter import load_adapter
-    from ..drivers._adapter_fuzz import fuzz_adapter
+    from ..drivers import fuzz_adapter, load_adapter
 
     if args.model is not None:
         raise UsageError(

@@ -7,8 +7,7 @@ import sys
 from typing import Any
 
 from .._errors import UsageError
-from ..importers import ENGINES, ImportResult, import_log
-from ..importers._base import MAX_LOG_LINE
+from ..importers import ENGINES, MAX_LOG_LINE, ImportResult, import_log
 from ._args import EXIT_OK, check_output_path, one_line, print_json
 
 

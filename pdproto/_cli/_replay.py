@@ -7,10 +7,9 @@ import argparse
 from typing import Any
 
 from .._errors import UsageError
-from ..backends._transports_table import TRANSPORTS
-from ..drivers._replay import ReplayResult, level, replay
-from ..spec._history import MAX_LINE_BYTES, POLICIES
-from ..spec._monitor import INVARIANTS
+from ..backends import TRANSPORTS
+from ..drivers import ReplayResult, level, replay
+from ..spec import INVARIANTS, MAX_LINE_BYTES, POLICIES
 from ._args import esc, int_type, positive_int, print_result, size_type
 from ._audit import print_violations
 
@@ -257,8 +256,7 @@ def _print_report(console: Any, path: str, result: ReplayResult) -> None:
 
 def run_adapter(args: argparse.Namespace, console: Any) -> int:
     """``pdproto replay HISTORY --adapter NAME``: re-enact it on a real system."""
-    from ..drivers._adapter import load_adapter
-    from ..drivers._adapter_replay import replay_on_adapter
+    from ..drivers import load_adapter, replay_on_adapter
 
     given = [k for k in KV_ONLY if getattr(args, k) is not None]
     if given:

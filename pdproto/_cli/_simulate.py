@@ -226,7 +226,7 @@ def _numbers(text: str, flag: str, form: str) -> list[float]:
 
 def parse_lengths(text: str, flag: str) -> Any:
     """``fixed:N``, ``uniform:LO,HI``, ``lognormal:MEDIAN,SIGMA[,LO,HI]``, ``empirical:A,B,...``, ``trace``."""
-    from ..sim._workload import Lengths
+    from ..sim import Lengths
 
     form = "fixed:N, uniform:LO,HI, lognormal:MEDIAN,SIGMA[,LO,HI], empirical:A,B,... or trace"
     kind, _sep, rest = text.strip().partition(":")
@@ -254,7 +254,7 @@ def parse_lengths(text: str, flag: str) -> Any:
 
 
 def _workload(args: argparse.Namespace) -> Any:
-    from ..sim._workload import Arrival, Cancellation, WorkloadSpec
+    from ..sim import Arrival, Cancellation, WorkloadSpec
 
     trace = args.trace
     arrival_kind = args.arrival or ("trace" if trace else "poisson")
@@ -334,7 +334,7 @@ def _renamed(exc: UsageError) -> UsageError:
 def _configs(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     import attrs
 
-    from ..sim._engine import SimConfig
+    from ..sim import SimConfig
 
     n_p, n_d = _pd_split(args.pd)
     pd_devices = n_p * args.tp_p + n_d * args.tp_d
@@ -410,10 +410,7 @@ class _FirstArrivals:
 def _run_arm(
     spec: Any, cfg: Any, args: argparse.Namespace, slo: Any, table: Any, history: Any
 ) -> dict[str, Any]:
-    from ..sim._engine import simulate
-    from ..sim._metrics import Metrics
-    from ..sim._sweep import expected_span, signals
-    from ..sim._workload import make_workload
+    from ..sim import Metrics, expected_span, make_workload, signals, simulate
 
     m = Metrics(
         cfg.label(),
@@ -466,7 +463,7 @@ def _run_arm(
 
 def _check_fits(configs: list[Any], table: Any) -> None:
     """Every arm's instances can be built (the weights fit, with room for KV) before any arm runs."""
-    from ..sim._sweep import fit_error
+    from ..sim import fit_error
 
     for cfg in configs:
         exc = fit_error(cfg, table)
@@ -570,8 +567,7 @@ def _check_ignored(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from ..sim._latency import PiecewiseLinear
-    from ..sim._metrics import SLO
+    from ..sim import SLO, PiecewiseLinear
 
     _check_ignored(args)
     if not 0 < args.target <= 1:
@@ -864,7 +860,7 @@ def _print_signals(console: Any, sigs: Any, indent: str, *, fired_only: bool = F
 
 
 def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: Any, table: Any) -> int:
-    from ..sim._sweep import cheapest, sweep
+    from ..sim import cheapest, sweep
 
     tps = _tps(args.tps)
     if table is not None and len(tps) > 1:
@@ -955,7 +951,7 @@ def _sweep(args: argparse.Namespace, console: Any, spec: Any, base: Any, slo: An
         table=table,
     )
     if not rows:
-        from ..sim._sweep import splits
+        from ..sim import splits
 
         if not splits(budget, base, tps, arms=arms):
             raise UsageError(

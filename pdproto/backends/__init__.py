@@ -10,10 +10,21 @@ torch nor transformers.  The transports of the torch backend (``copy``,
 
 from __future__ import annotations
 
+from .._errors import MissingExtraError
 from .._errors import TransportError as TransportError
 from ._transports_table import TRANSPORTS as TRANSPORTS
 
 __all__ = [
+    "require_torch",
+    "load_transformer",
+    "torch_threads",
+    "NixlTransport",
+    "prompt_tokens",
+    "BlockMove",
+    "CopyTransport",
+    "Transfer",
+    "block_views",
+    "byte_runs",
     "KV_CORRUPTION",
     "KVCorruption",
     "TorchBackend",
@@ -44,6 +55,34 @@ _LAZY = {
 _LAZY.update({name: "._transformer" for name in ("LOGIT_DIVERGENCE", "LogitDivergence", "ModelBackend")})
 _LAZY.update({name: "._builtin_models" for name in ("BUILTIN_MODELS", "LoadedModel")})
 _LAZY.update({name: "._transport" for name in ("Transport", "TransportStatistics", "make_transport")})
+
+_LAZY["load_transformer"] = "._builtin_models"
+_LAZY["torch_threads"] = "._torch"
+_LAZY["NixlTransport"] = "._nixl"
+_LAZY["prompt_tokens"] = "._transformer"
+_LAZY["BlockMove"] = "._transport"
+_LAZY["CopyTransport"] = "._transport"
+_LAZY["Transfer"] = "._transport"
+_LAZY["block_views"] = "._transport"
+_LAZY["byte_runs"] = "._transport"
+
+
+def require_torch() -> None:
+    """Import torch and the torch backend; a :class:`~pdproto.MissingExtraError`
+    naming ``pip install 'pdproto[torch]'`` when PyTorch is not installed
+    (checked on every call: a test may hide torch after a first load)."""
+    import importlib
+
+    try:
+        importlib.import_module("torch")
+        importlib.import_module("._torch", __name__)
+    except ImportError as exc:
+        # ModuleNotFoundError names the module; torch blocked in sys.modules
+        # (set to None) raises a plain ImportError that names it in the text
+        missing = getattr(exc, "name", None) or ""
+        if missing == "torch" or missing.startswith("torch.") or "'torch'" in str(exc):
+            raise MissingExtraError("the torch backend", "PyTorch", "torch") from None
+        raise
 
 
 def __getattr__(name: str) -> object:

@@ -1,6 +1,6 @@
 """The transformers the model backend runs (see :mod:`._transformer`).
 
-:func:`load_model` takes a built-in name (:data:`BUILTIN_MODELS`) or the path
+:func:`load_transformer` takes a built-in name (:data:`BUILTIN_MODELS`) or the path
 of a local Hugging Face model folder (``config.json`` and safetensors) and
 returns a :class:`LoadedModel`.  Nothing is ever fetched from a hub: the hub
 is set offline before transformers is imported, folders load with
@@ -40,7 +40,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-__all__ = ["BUILTIN_MODELS", "LoadedModel", "load_model", "cache_dir"]
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "load_transformer", "cache_dir"]
 
 #: name -> (architecture, config keywords) of the seeded random models
 _TINY: dict[str, tuple[str, dict[str, Any]]] = {
@@ -156,7 +156,7 @@ def cache_dir() -> str:
 _LOADED: dict[tuple[str, str, str], LoadedModel] = {}
 
 
-def load_model(
+def load_transformer(
     spec: str | os.PathLike[str],
     *,
     dtype: str = "float32",

@@ -76,7 +76,7 @@ import numpy as np  # noqa: I001 - the torch extra brings it (torch.from_numpy n
 import torch  # first: without the torch extra, the missing module is torch
 
 from .._errors import LimitError, UsageError, parse_int
-from ..spec._events import (
+from ..spec import (
     Alloc,
     Cancel,
     Commit,
@@ -85,6 +85,7 @@ from ..spec._events import (
     Fail,
     Finish,
     Free,
+    HistoryHeader,
     PrefillDone,
     PrefillStart,
     Reserve,
@@ -96,9 +97,8 @@ from ..spec._events import (
     TransferReadDone,
     TransferStart,
     TransferWriteDone,
+    Violation,
 )
-from ..spec._history import HistoryHeader
-from ..spec._monitor import Violation
 from ._transport import RAW, BlockMove, CopyTransport, Transfer, Transport, make_transport
 
 __all__ = [
@@ -189,6 +189,15 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     x = (((x >> 16) ^ x) * _MUL) & _M32
     x = (((x >> 16) ^ x) * _MUL) & _M32
     return (x >> 16) ^ x
+
+
+def torch_threads(threads: int | None) -> int:
+    """Set torch's intra-op thread count to ``threads`` (None: leave it) and
+    return the count it had before (to set it back)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return before
 
 
 def parse_tp(text: str | Sequence[int] | None) -> tuple[int, int]:

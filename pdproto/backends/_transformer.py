@@ -54,11 +54,9 @@ import attrs
 import torch
 
 from .._errors import UsageError
-from ..spec._events import Decode, Event, PrefillDone, Share, Submit
-from ..spec._history import HistoryHeader
-from ..spec._monitor import Violation
+from ..spec import Decode, Event, HistoryHeader, PrefillDone, Share, Submit, Violation
 from . import _torch as _tb
-from ._builtin_models import LoadedModel, load_model
+from ._builtin_models import LoadedModel, load_transformer
 
 __all__ = ["LOGIT_DIVERGENCE", "LOGIT_DIVERGENCE_RULE", "LogitDivergence", "ModelBackend", "prompt_tokens"]
 
@@ -376,7 +374,7 @@ class ModelBackend:
         threads: int | None = 1,
     ) -> None:
         header = header if header is not None else HistoryHeader()
-        m = model if isinstance(model, LoadedModel) else load_model(model)
+        m = model if isinstance(model, LoadedModel) else load_transformer(model)
         kv = getattr(header, "kv", None) if getattr(header, "version", 1) != 1 else None
         if (layout or getattr(kv, "layout", None) or "mha") != "mha":
             raise UsageError("layout with --model", layout or kv.layout, f"mha (the KV of {m.name!r})")

@@ -8,6 +8,7 @@ from ._adapter import load_adapter as load_adapter
 from ._adapter_fuzz import AdapterFailure as AdapterFailure
 from ._adapter_fuzz import AdapterFuzzResult as AdapterFuzzResult
 from ._adapter_fuzz import fuzz_adapter as fuzz_adapter
+from ._adapter_fuzz import run_actions as run_actions
 from ._adapter_replay import AdapterReplayResult as AdapterReplayResult
 from ._adapter_replay import Divergence as Divergence
 from ._adapter_replay import replay_on_adapter as replay_on_adapter
@@ -21,6 +22,7 @@ from ._explore import Step as Step
 from ._explore import explore as explore
 from ._explore import rename_monitor_key as rename_monitor_key
 from ._explore import rerun as rerun
+from ._explore import trace_header as trace_header
 from ._fuzz import FuzzResult as FuzzResult
 from ._fuzz import FuzzStats as FuzzStats
 from ._fuzz import HandoffFailure as HandoffFailure
@@ -29,13 +31,34 @@ from ._fuzz import reachable_states as reachable_states
 from ._loader import ModelInfo as ModelInfo
 from ._loader import list_models as list_models
 from ._loader import load_model as load_model
+from ._replay import LOGIT_DIVERGENCE as LOGIT_DIVERGENCE
 from ._replay import ReplayResult as ReplayResult
+from ._replay import level as level
 from ._replay import load_torch_backend as load_torch_backend
 from ._replay import load_transport as load_transport
+from ._replay import model_backend_factory as model_backend_factory
 from ._replay import replay as replay
 from ._replay import torch_backend_factory as torch_backend_factory
 
 __all__ = [
+    "run_actions",
+    "corpus_dir",
+    "list_rows",
+    "run_corpus",
+    "trace_header",
+    "namespaced_database",
+    "handoff_machine",
+    "uniform_machine",
+    "FuzzWorkerError",
+    "max_local_workers",
+    "merge",
+    "plan",
+    "split_examples",
+    "worker_seed",
+    "import_ray",
+    "LOGIT_DIVERGENCE",
+    "level",
+    "model_backend_factory",
     "Step",
     "Counterexample",
     "ExploreResult",
@@ -69,3 +92,31 @@ __all__ = [
     "AdapterReplayResult",
     "Divergence",
 ]
+
+#: names loaded on first use (they import hypothesis, or the catalogue)
+_LAZY = {
+    "handoff_machine": "._machine",
+    "uniform_machine": "._machine",
+    "namespaced_database": "._hypothesis",
+    "import_ray": "._ray_fuzz",
+    "corpus_dir": "._catalogue",
+    "list_rows": "._catalogue",
+    "run_corpus": "._catalogue",
+    "FuzzWorkerError": "._parallel_fuzz",
+    "max_local_workers": "._parallel_fuzz",
+    "merge": "._parallel_fuzz",
+    "plan": "._parallel_fuzz",
+    "split_examples": "._parallel_fuzz",
+    "worker_seed": "._parallel_fuzz",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pdproto.drivers' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

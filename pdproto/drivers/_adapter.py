@@ -43,9 +43,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .._errors import UsageError
-from ..protocol._model import Action, ActionNotEnabled
-from ..spec._events import Event
-from ..spec._history import HistoryHeader
+from ..protocol import Action, ActionNotEnabled
+from ..spec import Event, HistoryHeader
 
 __all__ = ["Adapter", "ModelAdapter", "load_adapter", "ADAPTERS"]
 

@@ -31,10 +31,8 @@ from typing import Any
 import attrs
 
 from .._errors import PdprotoError
-from ..protocol._model import Action, ActionNotEnabled
-from ..spec._events import Event
-from ..spec._history import HistoryHeader, write_history
-from ..spec._monitor import Monitor, Violation
+from ..protocol import Action, ActionNotEnabled
+from ..spec import Event, HistoryHeader, Monitor, Violation, write_history
 
 __all__ = ["AdapterFailure", "AdapterFuzzResult", "fuzz_adapter", "run_actions", "DRAIN_LIMIT"]
 

@@ -30,10 +30,8 @@ from typing import Any
 import attrs
 
 from .._errors import UsageError
-from ..protocol._model import Action
-from ..spec._events import Event
-from ..spec._history import open_history
-from ..spec._monitor import Monitor, Violation
+from ..protocol import Action
+from ..spec import Event, Monitor, Violation, open_history
 
 __all__ = ["Divergence", "AdapterReplayResult", "replay_on_adapter", "event_key", "lookahead_decision"]
 

@@ -10,9 +10,15 @@ from typing import Any
 
 import attrs
 
-from ..spec._history import MAX_LINE_BYTES, HistoryHeader, open_history
-from ..spec._monitor import Monitor, Violation, check_invariant_ids
-from ..spec._observed import Observation
+from ..spec import (
+    MAX_LINE_BYTES,
+    HistoryHeader,
+    Monitor,
+    Observation,
+    Violation,
+    check_invariant_ids,
+    open_history,
+)
 
 #: the event key an importer puts the 1-based line of the source log in
 LOG_LINE = "log_line"

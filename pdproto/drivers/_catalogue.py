@@ -38,10 +38,8 @@ from typing import Any
 
 import attrs
 
-from ..protocol._config import FAULT_KINDS
-from ..protocol._state import Phase
-from ..spec._history import POLICIES, read_events, write_history
-from ..spec._monitor import INVARIANTS
+from ..protocol import FAULT_KINDS, Phase
+from ..spec import INVARIANTS, POLICIES, read_events, write_history
 
 __all__ = [
     "Entry",
@@ -841,8 +839,7 @@ def _reenact(path: str, engine: Any, replay_on_adapter: Any) -> tuple[Any, list[
     the violations of the engine's own events."""
     import tempfile
 
-    from ..spec._history import open_history
-    from ..spec._monitor import Monitor
+    from ..spec import Monitor, open_history
 
     with open_history(path) as reader:
         header = reader.header

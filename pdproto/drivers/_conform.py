@@ -46,10 +46,8 @@ from typing import Any
 import attrs
 
 from .._errors import UsageError
-from ..protocol._config import FAULT_KINDS, ModelConfig
-from ..spec._events import EVENT_TYPES, Event, Restart
-from ..spec._history import HistoryHeader, open_history
-from ..spec._monitor import Monitor, Violation
+from ..protocol import FAULT_KINDS, ModelConfig
+from ..spec import EVENT_TYPES, Event, HistoryHeader, Monitor, Restart, Violation, open_history
 
 __all__ = ["conform", "ConformanceResult"]
 

@@ -35,9 +35,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import UsageError
-from ..protocol._model import Renaming
-from ..spec._history import HistoryHeader
-from ..spec._monitor import Monitor
+from ..protocol import Renaming
+from ..spec import HistoryHeader, Monitor
 from ._results import Counterexample, ExploreResult, Step, trace_header
 from ._search import _Search
 from ._traces import rerun

@@ -19,10 +19,8 @@ from typing import Any
 import attrs
 
 from .._errors import UsageError
-from ..protocol._model import Action
-from ..spec._events import Event
-from ..spec._history import write_history
-from ..spec._monitor import Violation
+from ..protocol import Action
+from ..spec import Event, Violation, write_history
 
 #: where ``pdproto fuzz`` keeps Hypothesis's example database
 DEFAULT_DATABASE = ".hypothesis/examples"

@@ -380,7 +380,7 @@ def _instantiate(
     if module is not None and hasattr(module, "DEFAULT_CONFIG"):
         config = module.DEFAULT_CONFIG
     else:
-        from ..protocol._config import ModelConfig
+        from ..protocol import ModelConfig
 
         config = ModelConfig()
     if faults is not None:

@@ -38,10 +38,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ..protocol._model import Action
-from ..spec._events import Event
-from ..spec._history import write_history
-from ..spec._monitor import Monitor, Violation
+from ..protocol import Action
+from ..spec import Event, Monitor, Violation, write_history
 from ._fuzz import FuzzStats, HandoffFailure, canonical_function, fault_kind, pick_failure
 from ._hypothesis import Draws, namespaced_database, phase_statistics
 
@@ -744,7 +742,7 @@ def _make_setup(
     backend: Callable[[Any], Any] | None,
     stats: FuzzStats | None,
 ) -> _Setup:
-    from ..spec._history import HistoryHeader
+    from ..spec import HistoryHeader
 
     return _Setup(
         model=model,

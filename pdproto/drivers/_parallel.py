@@ -36,8 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import PdprotoError
-from ..spec._history import HistoryHeader
-from ..spec._monitor import Monitor
+from ..spec import HistoryHeader, Monitor
 from ._parallel_shard import Shard, hash_seed_env
 from ._results import Counterexample, ExploreResult
 from ._traces import _counterexample

@@ -45,7 +45,7 @@ from typing import Any
 import attrs
 
 from .._errors import PdprotoError, UsageError
-from ..spec._history import write_history
+from ..spec import write_history
 from ._fuzz import PHASE_NAMES, FuzzResult, FuzzStats, HandoffFailure, fuzz_serial, reachable_states
 from ._parallel_shard import portable, rebuilt
 

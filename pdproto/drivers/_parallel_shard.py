@@ -31,7 +31,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-from ..spec._monitor import Monitor
+from ..spec import Monitor
 from ._search import (
     _CONCRETE,
     _SKIP,
@@ -51,7 +51,7 @@ def portable(model: Any) -> Any:
     :class:`~pdproto.HandoffModel` (or a subclass that keeps its
     constructor), whose rule caches are keyed by object identity and do not
     survive pickling; ``("model", model)`` otherwise.  :func:`rebuilt` undoes it."""
-    from ..protocol._reference import HandoffModel
+    from ..protocol import HandoffModel
 
     if isinstance(model, HandoffModel) and type(model).__init__ is HandoffModel.__init__:
         return ("build", type(model), model.config)

@@ -15,9 +15,8 @@ from typing import Any
 
 import attrs
 
-from .._errors import MissingExtraError, PdprotoError, UsageError
-from ..spec._history import MAX_LINE_BYTES, open_history
-from ..spec._monitor import Monitor, Violation, check_invariant_ids
+from .._errors import MissingExtraError, UsageError
+from ..spec import MAX_LINE_BYTES, Monitor, Violation, check_invariant_ids, open_history
 
 #: the invariant id of the data-level check (the backend's)
 KV_CORRUPTION = "kv-corruption"
@@ -29,20 +28,14 @@ DATA_INVARIANTS = (KV_CORRUPTION, LOGIT_DIVERGENCE)
 
 
 def load_torch_backend() -> Any:
-    """The module :mod:`pdproto.backends._torch` (imports torch); a
-    :class:`~pdproto.MissingExtraError` (a :class:`~pdproto.PdprotoError`)
-    naming ``pip install 'pdproto[torch]'`` when PyTorch is not installed."""
-    try:
-        return importlib.import_module("pdproto.backends._torch")
-    except PdprotoError:
-        raise
-    except ImportError as exc:
-        # ModuleNotFoundError names the module; torch blocked in sys.modules
-        # (set to None) raises a plain ImportError that names it in the text
-        missing = getattr(exc, "name", None) or ""
-        if missing == "torch" or missing.startswith("torch.") or "'torch'" in str(exc):
-            raise MissingExtraError("the torch backend", "PyTorch", "torch") from None
-        raise
+    """The package :mod:`pdproto.backends`, its torch backend loaded (imports
+    torch); a :class:`~pdproto.MissingExtraError` (a
+    :class:`~pdproto.PdprotoError`) naming ``pip install 'pdproto[torch]'``
+    when PyTorch is not installed (:func:`pdproto.backends.require_torch`)."""
+    from .. import backends
+
+    backends.require_torch()
+    return backends
 
 
 def torch_backend_factory(**options: Any) -> Callable[[Any], Any]:
@@ -75,20 +68,20 @@ def load_transport(name: Any) -> Any:
     now (its library loaded), or ``name`` when it is a transport already; a
     :class:`~pdproto.MissingExtraError` naming the extra when its library is
     not installed."""
-    load_torch_backend()
-    return importlib.import_module("pdproto.backends._transport").make_transport(name)
+    return load_torch_backend().make_transport(name)
 
 
 def load_model_backend() -> Any:
-    """The module :mod:`pdproto.backends._transformer` (imports torch and
-    transformers); a :class:`~pdproto.MissingExtraError` naming ``pip install
-    'pdproto[model]'`` when either is missing."""
-    load_torch_backend()
+    """The package :mod:`pdproto.backends`, its model backend loaded (imports
+    torch and transformers); a :class:`~pdproto.MissingExtraError` naming
+    ``pip install 'pdproto[model]'`` when either is missing."""
+    backends = load_torch_backend()
     try:
         importlib.import_module("transformers")
     except ImportError:
         raise MissingExtraError("the model backend (replay --model)", "transformers", "model") from None
-    return importlib.import_module("pdproto.backends._transformer")
+    backends.ModelBackend  # noqa: B018 - loads the model backend
+    return backends
 
 
 def model_backend_factory(model: Any = "tiny-llama", **options: Any) -> Callable[[Any], Any]:
@@ -98,7 +91,7 @@ def model_backend_factory(model: Any = "tiny-llama", **options: Any) -> Callable
     :class:`~pdproto.backends._transformer.ModelBackend`'s (``tp``,
     ``threads``, ``boundary``, ...)."""
     mb = load_model_backend()
-    loaded = mb.load_model(model) if isinstance(model, (str, os.PathLike)) else model
+    loaded = mb.load_transformer(model) if isinstance(model, (str, os.PathLike)) else model
 
     def factory(header: Any) -> Any:
         return mb.ModelBackend(header, model=loaded, **options)
@@ -234,15 +227,12 @@ def replay(
                 layers if layers is not None else kv_heads,
                 "none: the model sets the layers and KV heads",
             )
-        model = mb.load_model(model) if isinstance(model, (str, os.PathLike)) else model
+        model = mb.load_transformer(model) if isinstance(model, (str, os.PathLike)) else model
     skipped = check_invariant_ids(skip)
     _check_shapes(layers, kv_heads, head_dim, block_size)
     if threads is not None and (type(threads) is not int or threads < 1):
         raise UsageError("--threads", threads, "an integer >= 1")
-    torch = tb.torch
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    before = tb.torch_threads(threads)
     try:
         return _replay(
             tb,
@@ -269,7 +259,7 @@ def replay(
         )
     finally:
         if threads is not None:
-            torch.set_num_threads(before)
+            tb.torch_threads(before)
         if own and tr is not None:
             tr.close()
 

@@ -8,9 +8,7 @@ from typing import Any
 
 import attrs
 
-from ..spec._events import Event
-from ..spec._history import HistoryHeader
-from ..spec._monitor import Violation
+from ..spec import Event, HistoryHeader, Violation
 
 __all__ = ["Step", "Counterexample", "ExploreResult", "trace_header"]
 

@@ -23,9 +23,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
-from ..protocol._model import Renaming
-from ..spec._history import HistoryHeader
-from ..spec._monitor import Monitor, Violation
+from ..protocol import Renaming
+from ..spec import HistoryHeader, Monitor, Violation
 from ._results import Counterexample, ExploreResult
 from ._traces import _build_graph, _counterexample, _path
 from ._visited import _BAD, _PAIR, _flat_type, _unpack, _Visited

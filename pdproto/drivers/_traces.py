@@ -8,8 +8,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..spec._history import HistoryHeader
-from ..spec._monitor import Monitor, Violation
+from ..spec import HistoryHeader, Monitor, Violation
 from ._results import Counterexample, Step
 
 __all__ = ["rerun"]

@@ -33,8 +33,7 @@ from typing import IO, Any, ClassVar
 import attrs
 
 from .._errors import UsageError
-from ..spec import HistoryHeader, HistoryWriter, Observation
-from ..spec._events import parse_event
+from ..spec import HistoryHeader, HistoryWriter, Observation, parse_event
 
 __all__ = [
     "LOG_LINE_KEY",

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from .._errors import UsageError, parse_int
-from ..spec._history import POLICIES
+from ..spec import POLICIES
 
 __all__ = ["FAULT_KINDS", "ModelConfig", "parse_faults"]
 

@@ -17,8 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from ..spec._events import Event
-from ..spec._history import HistoryHeader
+from ..spec import Event, HistoryHeader
 
 __all__ = ["Action", "Model", "ActionNotEnabled", "Renaming"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec._events import (
+from ..spec import (
     Free,
     PrefillDone,
     PrefillStart,

@@ -38,8 +38,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from ..spec._events import Cancel, Commit, Decode, Event, Fail, Finish, TransferStart
-from ..spec._history import HistoryHeader, KVSpec, WorkerSpec
+from ..spec import (
+    Cancel,
+    Commit,
+    Decode,
+    Event,
+    Fail,
+    Finish,
+    HistoryHeader,
+    KVSpec,
+    TransferStart,
+    WorkerSpec,
+)
 from ._config import FAULT_KINDS, ModelConfig
 from ._model import Action, ActionNotEnabled, Renaming
 from ._push_pull import REFERENCE

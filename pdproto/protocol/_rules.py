@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from ..spec._events import EVENT_TYPES
+from ..spec import EVENT_TYPES
 from ._state import End, Phase
 
 __all__ = ["Kind", "Rule", "RuleTable", "RuleBook", "AT"]

@@ -27,6 +27,7 @@ from ._events import TransferReadDone as TransferReadDone
 from ._events import TransferStart as TransferStart
 from ._events import TransferWriteDone as TransferWriteDone
 from ._events import event_from_dict as event_from_dict
+from ._events import parse_event as parse_event
 from ._history import BOUNDARIES as BOUNDARIES
 from ._history import FORMAT_VERSION as FORMAT_VERSION
 from ._history import FORMAT_VERSIONS as FORMAT_VERSIONS
@@ -34,6 +35,7 @@ from ._history import FP8_DTYPES as FP8_DTYPES
 from ._history import KV_DTYPES as KV_DTYPES
 from ._history import KV_LAYOUTS as KV_LAYOUTS
 from ._history import KV_SCALES as KV_SCALES
+from ._history import MAX_LINE_BYTES as MAX_LINE_BYTES
 from ._history import POLICIES as POLICIES
 from ._history import ROLES as ROLES
 from ._history import HistoryHeader as HistoryHeader
@@ -55,6 +57,8 @@ from ._observed import Observation as Observation
 from ._partial import PartialMonitor as PartialMonitor
 
 __all__ = [
+    "parse_event",
+    "MAX_LINE_BYTES",
     "Event",
     "Submit",
     "Reserve",

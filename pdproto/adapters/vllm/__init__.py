@@ -12,5 +12,17 @@ require_vllm()
 from ._adapter import KNOWN as KNOWN  # noqa: E402
 from ._adapter import VllmAdapter as VllmAdapter  # noqa: E402
 from ._harness import VllmHarness as VllmHarness  # noqa: E402
+from ._scenarios import SCENARIOS as SCENARIOS
+from ._scenarios import expected as expected
+from ._scenarios import run_scenario as run_scenario
 
-__all__ = ["VllmAdapter", "VllmHarness", "KNOWN", "SUPPORTED", "require_vllm"]
+__all__ = [
+    "SCENARIOS",
+    "expected",
+    "run_scenario",
+    "VllmAdapter",
+    "VllmHarness",
+    "KNOWN",
+    "SUPPORTED",
+    "require_vllm",
+]

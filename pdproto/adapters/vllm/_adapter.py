@@ -11,8 +11,8 @@ import copy
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from ...protocol._model import Action, ActionNotEnabled
-from ...spec._events import (
+from ...protocol import Action, ActionNotEnabled
+from ...spec import (
     Alloc,
     Cancel,
     Commit,
@@ -21,6 +21,7 @@ from ...spec._events import (
     Fail,
     Finish,
     Free,
+    HistoryHeader,
     PrefillDone,
     PrefillStart,
     Reserve,
@@ -30,8 +31,8 @@ from ...spec._events import (
     TransferReadDone,
     TransferStart,
     TransferWriteDone,
+    WorkerSpec,
 )
-from ...spec._history import HistoryHeader, WorkerSpec
 from ._harness import VllmHarness
 
 __all__ = ["VllmAdapter", "KNOWN"]

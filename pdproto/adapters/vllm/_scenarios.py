@@ -17,11 +17,9 @@ from typing import Any
 
 import attrs
 
-from ...drivers._adapter_fuzz import run_actions
-from ...protocol._model import Action
-from ...spec._events import Event
-from ...spec._history import write_history
-from ...spec._monitor import INVARIANTS, Monitor
+from ...drivers import run_actions
+from ...protocol import Action
+from ...spec import INVARIANTS, Event, Monitor, write_history
 
 __all__ = ["SCENARIOS", "Scenario", "run_scenario", "write_examples"]
 
@@ -213,7 +211,7 @@ def write_examples(directory: str, adapters: dict[str, Any]) -> list[str]:
         header, events = history(adapter, name, kept)
         write_history(path, events, header)
         try:
-            from ...drivers._replay import replay
+            from ...drivers import replay
 
             result = replay(path)
         except ImportError:

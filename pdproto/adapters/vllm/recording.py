@@ -97,7 +97,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noq
 )
 
 from ..._errors import HistoryFormatError, UsageError  # noqa: E402
-from ...spec._events import (  # noqa: E402
+from ...spec import (  # noqa: E402  # noqa: E402
     Alloc,
     Cancel,
     Commit,
@@ -106,6 +106,9 @@ from ...spec._events import (  # noqa: E402
     Fail,
     Finish,
     Free,
+    HistoryHeader,
+    HistoryWriter,
+    KVSpec,
     PrefillDone,
     PrefillStart,
     Reserve,
@@ -116,8 +119,9 @@ from ...spec._events import (  # noqa: E402
     TransferReadDone,
     TransferStart,
     TransferWriteDone,
+    WorkerSpec,
+    open_history,
 )
-from ...spec._history import HistoryHeader, HistoryWriter, KVSpec, WorkerSpec, open_history  # noqa: E402
 
 __all__ = [
     "RecordingConnector",
