@@ -1046,10 +1046,10 @@ def _plots(directory: str, runs: list[dict[str, Any]], slo: Any) -> list[str]:
     that arrived first (the seed's two-request timeline)."""
     import os
 
-    from ..sim import _plot
+    from .. import sim
 
     written = [
-        _plot.plot_cdfs(
+        sim.plot_cdfs(
             {r["label"]: r["_metrics"] for r in runs}, os.path.join(directory, "cdf.png"), slo=slo
         )
     ]
@@ -1057,12 +1057,12 @@ def _plots(directory: str, runs: list[dict[str, Any]], slo: Any) -> list[str]:
         samples = r["_result"].samples
         if samples:
             written.append(
-                _plot.plot_occupancy(samples, os.path.join(directory, f"occupancy-{r['arm']}.png"))
+                sim.plot_occupancy(samples, os.path.join(directory, f"occupancy-{r['arm']}.png"))
             )
         recs = r["_first"]  # the two earliest arrivals among the completed requests
         if len(recs) == 2:
             written.append(
-                _plot.plot_timeline(
+                sim.plot_timeline(
                     recs,
                     os.path.join(directory, f"timeline-{r['arm']}.png"),
                     title=f"first two requests, {r['label']}",
@@ -1074,7 +1074,7 @@ def _plots(directory: str, runs: list[dict[str, Any]], slo: Any) -> list[str]:
 def _sweep_plots(directory: str, rows: list[Any]) -> list[str]:
     import os
 
-    from ..sim import _plot
+    from .. import sim
 
     pts = [(r.config.label(), r.per_device) for r in rows if r.config.arm == "pd"]
     refs = []
@@ -1085,14 +1085,14 @@ def _sweep_plots(directory: str, rows: list[Any]) -> list[str]:
     out = []
     if pts:
         out.append(
-            _plot.plot_goodput_vs_ratio(pts, os.path.join(directory, "goodput-vs-ratio.png"), baselines=refs)
+            sim.plot_goodput_vs_ratio(pts, os.path.join(directory, "goodput-vs-ratio.png"), baselines=refs)
         )
     good = {
         r.config.label(): [(p.rate, p.goodput / r.devices) for p in sorted(r.probes, key=lambda p: p.rate)]
         for r in rows
     }
     out.append(
-        _plot.plot_goodput_vs_rate(
+        sim.plot_goodput_vs_rate(
             good,
             os.path.join(directory, "goodput-vs-rate.png"),
             best={r.config.label(): r.max_rate for r in rows},
