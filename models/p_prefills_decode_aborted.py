@@ -9,8 +9,8 @@ ABORT to P, which marks the room's sender Failed; P dropped such requests
 from its bootstrap and inflight queues but not from its waiting queue, so a
 bootstrapped request aborted by D stayed there holding a metadata buffer
 slot and sender state (orphans accumulate under load), and, nothing having
-removed it, could be scheduled for a prefill nobody would read (inferred).  In the model D has reserved its blocks,
-the client cancels, and P has not started the prefill; the reference's
+removed it, could be scheduled for a prefill nobody would read (inferred).
+In the model D has reserved its blocks, the client cancels, and P has not started the prefill; the reference's
 ``prefill_start`` takes only live generations, and this mutant's also takes
 a cancelled one.
 Family: push (SGLang: D pre-allocates, P writes).  Caught as

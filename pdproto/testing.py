@@ -42,6 +42,7 @@ Importing this module imports Hypothesis; ``import pdproto`` does not.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -101,7 +102,7 @@ _NO_EXPLAIN = tuple(p for p in Phase if p is not Phase.explain)
 #: Hypothesis settings profiles pdproto registers: a quick default and a deeper
 #: one for CI, both without the explain phase.  Select with
 #: ``pytest --hypothesis-profile=pdproto-ci``.
-PROFILES = {
+PROFILES: dict[str, dict[str, Any]] = {
     "pdproto-quick": dict(max_examples=100, stateful_step_count=50, deadline=None, phases=_NO_EXPLAIN),
     "pdproto-ci": dict(max_examples=1000, stateful_step_count=100, deadline=None, phases=_NO_EXPLAIN),
 }

@@ -1,4 +1,5 @@
-"""What every command shares: argument types, output checks, and plain (never wrapped, never markup) output of errors and JSON.
+"""What every command shares: argument types, output checks, and plain (never
+wrapped, never markup) output of errors and JSON.
 
 Rich is for the human reports only.  A user string printed through rich is
 escaped with :func:`esc` first, so ``[red]r1`` or ``[/oops]`` in a history

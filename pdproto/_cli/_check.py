@@ -297,7 +297,7 @@ def _split_workers(values: list | None) -> tuple[int | None, tuple[int | None, i
     counts = [v for v in values or () if isinstance(v, int)]
     pairs = [v for v in values or () if isinstance(v, tuple)]
     if len(counts) > 1 or len(pairs) > 1:
-        extra = counts[1] if len(counts) > 1 else "%d:%d" % pairs[1]
+        extra = counts[1] if len(counts) > 1 else "{}:{}".format(*pairs[1])
         raise UsageError("--workers", extra, "N once and P:D once")
     return (counts[0] if counts else None), (pairs[0] if pairs else (None, None))
 

@@ -75,7 +75,8 @@ def _summary(args: argparse.Namespace, result: ImportResult) -> None:
         write(f"pdproto import: warning: {name} is empty: the history has no events\n")
     if result.dropped:
         write(
-            f"pdproto import: warning: {result.dropped:,} event(s) left out: the log does not show every event "
+            f"pdproto import: warning: {result.dropped:,} event(s) left out: the log does not show "
+            "every event "
             "of their kind for the requests it names (see docs/importers.md, Limits)\n"
         )
     if result.overlong:

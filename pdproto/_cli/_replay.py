@@ -240,7 +240,8 @@ def _print_report(console: Any, path: str, result: ReplayResult) -> None:
     m = b.get("model")
     if m:
         console.print(
-            f"model {esc(str(m.get('name')))}: {m.get('layers')} layers x {m.get('kv_heads')} KV heads x head "
+            f"model {esc(str(m.get('name')))}: {m.get('layers')} layers x {m.get('kv_heads')} KV "
+            "heads x head "
             f"dim {m.get('head_dim')}, boundary {m.get('boundary')}; {m.get('prefills')} prefills, "
             f"{m.get('decodes')} decode steps compared bit for bit with a colocated run"
         )

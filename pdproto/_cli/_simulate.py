@@ -225,7 +225,8 @@ def _numbers(text: str, flag: str, form: str) -> list[float]:
 
 
 def parse_lengths(text: str, flag: str) -> Any:
-    """``fixed:N``, ``uniform:LO,HI``, ``lognormal:MEDIAN,SIGMA[,LO,HI]``, ``empirical:A,B,...``, ``trace``."""
+    """``fixed:N``, ``uniform:LO,HI``, ``lognormal:MEDIAN,SIGMA[,LO,HI]``,
+    ``empirical:A,B,...``, ``trace``."""
     from ..sim import Lengths
 
     form = "fixed:N, uniform:LO,HI, lognormal:MEDIAN,SIGMA[,LO,HI], empirical:A,B,... or trace"
@@ -399,7 +400,8 @@ class _FirstArrivals:
     timeline), whenever they finish."""
 
     def __init__(self, add: Any, k: int = 2) -> None:
-        self.add, self.k, self.records = add, k, []
+        self.add, self.k = add, k
+        self.records: list[Any] = []
 
     def __call__(self, record: Any) -> None:
         self.add(record)
@@ -1049,16 +1051,12 @@ def _plots(directory: str, runs: list[dict[str, Any]], slo: Any) -> list[str]:
     from .. import sim
 
     written = [
-        sim.plot_cdfs(
-            {r["label"]: r["_metrics"] for r in runs}, os.path.join(directory, "cdf.png"), slo=slo
-        )
+        sim.plot_cdfs({r["label"]: r["_metrics"] for r in runs}, os.path.join(directory, "cdf.png"), slo=slo)
     ]
     for r in runs:
         samples = r["_result"].samples
         if samples:
-            written.append(
-                sim.plot_occupancy(samples, os.path.join(directory, f"occupancy-{r['arm']}.png"))
-            )
+            written.append(sim.plot_occupancy(samples, os.path.join(directory, f"occupancy-{r['arm']}.png")))
         recs = r["_first"]  # the two earliest arrivals among the completed requests
         if len(recs) == 2:
             written.append(

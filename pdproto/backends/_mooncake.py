@@ -160,14 +160,14 @@ class MooncakeTransport(Registered):
         self.ensure_all(x)
         peer = x.src if x.pull else x.dst
         gone = [(k, v) for k, v in self._regs.items() if k[0] == peer]
-        for k, v in gone:
+        for _k, v in gone:
             self._deregister(peer, v[2])
         try:
             with _quiet():  # the engine logs the refusal it reports as a status
                 rc = self._call(x)
         finally:
             with _quiet():
-                for k, v in gone:
+                for _k, v in gone:
                     self._engines[peer].register_memory(*v[2])
         text = (
             f"status {rc} (the peer's memory was deregistered)"
@@ -184,7 +184,7 @@ class MooncakeTransport(Registered):
         if e is None:
             return
         with _quiet():
-            for k, v in [(k, v) for k, v in self._regs.items() if k[0] == worker]:
+            for _k, v in [(k, v) for k, v in self._regs.items() if k[0] == worker]:
                 e.unregister_memory(v[2][0])
                 e.register_memory(*v[2])
 

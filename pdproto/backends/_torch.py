@@ -1157,11 +1157,11 @@ class TorchBackend:
         radix, half, div = L.encoding
         nh = L.head_dim - _CODE_DIMS
         dev = self.device
-        l = torch.arange(L.layers, device=dev, dtype=torch.int64).view(-1, 1, 1, 1)
+        li = torch.arange(L.layers, device=dev, dtype=torch.int64).view(-1, 1, 1, 1)
         k = torch.arange(L.kv, device=dev, dtype=torch.int64).view(1, -1, 1, 1)
         h = torch.arange(L.kv_heads, device=dev, dtype=torch.int64).view(1, 1, -1, 1)
         d = torch.arange(nh, device=dev, dtype=torch.int64).view(1, 1, 1, -1)
-        x = _mix(l * 1_000_003 + k * 7_919 + h * 104_729 + d * 15_485_863 + 12_345)
+        x = _mix(li * 1_000_003 + k * 7_919 + h * 104_729 + d * 15_485_863 + 12_345)
         x = _mix(x ^ (d * 0x3C6EF372))
         q = torch.zeros((1, L.layers, L.kv, L.kv_heads, L.head_dim), dtype=torch.float32, device=dev)
         q[0, :, :, :, _CODE_DIMS:] = ((x % (half + 1)) - half).to(torch.float32) / div
@@ -1716,7 +1716,7 @@ class TorchBackend:
             return
         self._clock += 1
         t.write_stamp = self._clock
-        for i, sb, db, p0, s0, s1 in moves:
+        for _i, _sb, db, _p0, s0, s1 in moves:
             dst.mod[db] = (dst.stamp.get(db, 0), s0, s1)
             dst.stamp[db] = self._clock
             dst.last_write[db] = line
@@ -1735,7 +1735,7 @@ class TorchBackend:
         bs = self.layout.block_size
         if so is None and do is None and not self._shares:
             return
-        for i, sb, db, p0, s0, s1 in t.moves:
+        for _i, _sb, db, p0, s0, s1 in t.moves:
             for s in range(s0, s1):
                 p = p0 + s
                 tag = so.get(p, g.tag) if so is not None else g.tag
@@ -1895,7 +1895,7 @@ class TorchBackend:
             self._report_wrong(g, w, blk, bi, bi * bs + lo, n - lo, what, line, witness, transfer, ticket)
             return False
         checked = g.checked
-        for bi, blk, lo, n, st in todo:
+        for bi, blk, _lo, n, st in todo:
             checked[(worker, bi)] = (blk, st, n)
         g.fast[worker] = (table, upto, len(w.log), w.epoch, imap)
         return True
@@ -2376,7 +2376,7 @@ class TorchBackend:
         if not t.moves:
             self._plan(t)
         prompt = self._prompt(g)
-        for i, sb, db, p0, s0, s1 in t.moves:
+        for _i, _sb, db, p0, s0, s1 in t.moves:
             s1 = min(s1, prompt - p0)
             if s0 >= s1:
                 continue
@@ -2560,7 +2560,7 @@ class TorchBackend:
                 if t.tokens is None:
                     self._poison(w, t.dst_blocks, line)  # a partial write: garbage
                 else:
-                    for i, sb, db, p0, s0, s1 in t.moves:
+                    for _i, _sb, db, _p0, s0, s1 in t.moves:
                         self._poison(w, [db], line, s0, s1)
         self._drop_writer(t)
 
@@ -2618,7 +2618,7 @@ class TorchBackend:
                 tline = t.line
                 if not t.moves:
                     self._plan(t)
-                for i, sb, db, p0, s0, s1 in t.moves:
+                for _i, _sb, db, p0, _s0, _s1 in t.moves:
                     by_index[p0 // bs] = db
         info = self._tickets.get(ev.ticket)
         if info is not None and info[1] == ev.worker and info[0] == g.key:
@@ -2662,7 +2662,7 @@ class TorchBackend:
             if not t.moves:
                 self._plan(t)
             items: list[tuple[int, int, int, int]] = []  # (block, first position, slots, first slot)
-            for i, sb, db, p0, s0, s1 in t.moves:
+            for _i, _sb, _db, p0, s0, s1 in t.moves:
                 s1 = min(s1, prompt - p0)
                 if s0 >= s1:
                     continue

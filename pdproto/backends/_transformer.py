@@ -139,8 +139,8 @@ def _forward(
     tf_cache = _dynamic_cache()
     c, n = prefix.shape[0], len(tokens)
     data = [
-        (prefix[:, l, 0].permute(1, 0, 2).unsqueeze(0), prefix[:, l, 1].permute(1, 0, 2).unsqueeze(0))
-        for l in range(m.layers)
+        (prefix[:, li, 0].permute(1, 0, 2).unsqueeze(0), prefix[:, li, 1].permute(1, 0, 2).unsqueeze(0))
+        for li in range(m.layers)
     ]
     cache = tf_cache(ddp_cache_data=data)
     kpos = torch.arange(start - c, start + n, device=device)
@@ -163,8 +163,8 @@ def _forward(
         )
         kv = torch.stack(
             [
-                torch.stack((cache.layers[l].keys[0, :, c:], cache.layers[l].values[0, :, c:]))
-                for l in range(m.layers)
+                torch.stack((cache.layers[li].keys[0, :, c:], cache.layers[li].values[0, :, c:]))
+                for li in range(m.layers)
             ]
         )  # [layers, K/V, heads, n, head_dim]
         return out.logits[0].float(), kv.permute(3, 0, 1, 2, 4).contiguous()

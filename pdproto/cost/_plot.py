@@ -136,7 +136,8 @@ def timeline_svg(report: CostReport) -> str:
         add(f'<text x="{x(t):.1f}" y="{axis_y + 18}" font-size="11" text-anchor="middle">{_fmt_ms(t)}</text>')
     add(f'<line x1="{left}" y1="{axis_y}" x2="{width - right}" y2="{axis_y}" stroke="#333"/>')
     add(
-        f'<text x="{left + plot_w / 2}" y="{axis_y + 36}" font-size="12" text-anchor="middle">time since arrival (ms)</text>'
+        f'<text x="{left + plot_w / 2}" y="{axis_y + 36}" font-size="12" text-anchor="middle">time '
+        "since arrival (ms)</text>"
     )
 
     # Section titles and lane labels.
@@ -150,7 +151,8 @@ def timeline_svg(report: CostReport) -> str:
     for scheme, lane, title in _ROWS:
         yy = y_of[(scheme, lane)]
         add(
-            f'<text x="{left - 10}" y="{yy + lane_h / 2 + 4}" font-size="12" text-anchor="end">{escape(title)}</text>'
+            f'<text x="{left - 10}" y="{yy + lane_h / 2 + 4}" font-size="12" '
+            f'text-anchor="end">{escape(title)}</text>'
         )
         add(
             f'<line x1="{left}" y1="{yy + lane_h}" x2="{width - right}" y2="{yy + lane_h}" stroke="#cccccc"/>'
@@ -206,15 +208,18 @@ def timeline_svg(report: CostReport) -> str:
             yy = y_of[(scheme, lane)]
             xt = x(t)
             add(
-                f'<line x1="{xt:.1f}" y1="{yy - 4}" x2="{xt:.1f}" y2="{yy + lane_h}" stroke="#111" stroke-width="1.5"/>'
+                f'<line x1="{xt:.1f}" y1="{yy - 4}" x2="{xt:.1f}" y2="{yy + lane_h}" stroke="#111" '
+                'stroke-width="1.5"/>'
             )
             add(f'<circle cx="{xt:.1f}" cy="{yy - 11}" r="8" fill="#111"/>')
             add(
-                f'<text x="{xt:.1f}" y="{yy - 7}" font-size="10" fill="white" text-anchor="middle">{number}</text>'
+                f'<text x="{xt:.1f}" y="{yy - 7}" font-size="10" fill="white" '
+                f'text-anchor="middle">{number}</text>'
             )
             if number == 1:
                 add(
-                    f'<text x="{xt - 12:.1f}" y="{yy - 7}" font-size="11" fill="#111" text-anchor="end">token 1 (TTFT)</text>'
+                    f'<text x="{xt - 12:.1f}" y="{yy - 7}" font-size="11" fill="#111" '
+                    'text-anchor="end">token 1 (TTFT)</text>'
                 )
             if xt - last_label_x.get(lane, -1e9) >= 26:
                 last_label_x[lane] = xt
@@ -227,7 +232,8 @@ def timeline_svg(report: CostReport) -> str:
     yb = y_of[("disaggregated", "D")] + lane_h + 30
     xa, xb = x(dis.token_ms[0]), x(dis.token_ms[1])
     add(
-        f'<path d="M{xa:.1f},{yb - 5} V{yb} H{xb:.1f} V{yb - 5}" fill="none" stroke="#7b3294" stroke-width="1.5"/>'
+        f'<path d="M{xa:.1f},{yb - 5} V{yb} H{xb:.1f} V{yb - 5}" fill="none" stroke="#7b3294" '
+        'stroke-width="1.5"/>'
     )
     add(
         f'<text x="{(xa + xb) / 2:.1f}" y="{yb + 14}" font-size="11" fill="#7b3294" text-anchor="middle">'

@@ -2,6 +2,8 @@
 catalogue, and drive real systems through adapters (docs/adapters.md).
 They feed every event a model or a real system emits to the monitor."""
 
+from typing import TYPE_CHECKING, Any
+
 from ._adapter import Adapter as Adapter
 from ._adapter import ModelAdapter as ModelAdapter
 from ._adapter import load_adapter as load_adapter
@@ -111,7 +113,22 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
+if TYPE_CHECKING:  # the lazy names' real types, for the type checker
+    from ._catalogue import corpus_dir, list_rows, run_corpus
+    from ._hypothesis import namespaced_database
+    from ._machine import handoff_machine, uniform_machine
+    from ._parallel_fuzz import (
+        FuzzWorkerError,
+        max_local_workers,
+        merge,
+        plan,
+        split_examples,
+        worker_seed,
+    )
+    from ._ray_fuzz import import_ray
+
+
+def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'pdproto.drivers' has no attribute {name!r}")

@@ -193,7 +193,8 @@ def run_actions(
                             Violation(
                                 "no-quiescence",
                                 len(run.events) + 1,
-                                f"the system did not go quiet within {limit} progress steps after the drawn ones",
+                                f"the system did not go quiet within {limit} progress steps after "
+                                "the drawn ones",
                             )
                         ],
                         ignore,
@@ -269,6 +270,8 @@ def fuzz_adapter(
         target: list[str] = []  # the invariant this round shrinks
         generating = [True]
 
+        # body runs within this round (Hypothesis calls it before the loop goes on), so it may read
+        # the round's variables (B023)
         def body(data: Any) -> None:
             draws = Draws(data)
             taken = [0]
@@ -282,18 +285,18 @@ def fuzz_adapter(
                 return action
 
             counts["runs"] += 1
-            if generating[0]:
+            if generating[0]:  # noqa: B023
                 counts["examples"] += 1
-            run = run_actions(adapter, choose, ignore=ignore, on_step=on_step)
+            run = run_actions(adapter, choose, ignore=ignore, on_step=on_step)  # noqa: B023
             if progress is not None:
                 progress(counts["examples"], counts["steps"], len(failures))
             v = run.violation
             if v is None:
                 return
-            if not target:
-                target.append(v.invariant)
-                generating[0] = False
-            if v.invariant == target[0]:
+            if not target:  # noqa: B023
+                target.append(v.invariant)  # noqa: B023
+                generating[0] = False  # noqa: B023
+            if v.invariant == target[0]:  # noqa: B023
                 raise _Found(run, v)
 
         left = examples - counts["examples"]

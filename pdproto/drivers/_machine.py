@@ -24,6 +24,7 @@ import collections
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -577,7 +578,7 @@ class _Walk:
             progress = [i for i, a in enumerate(enabled) if not a.fault]
             if not progress:  # nothing, or only faults, is left: the system is quiet
                 break
-            self._take(pos, self._decide(_TEARDOWN, lambda: self._progress_choice(pos, progress)))
+            self._take(pos, self._decide(_TEARDOWN, partial(self._progress_choice, pos, progress)))
             stats.teardown_steps += 1
             self.check()
         else:

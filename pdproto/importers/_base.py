@@ -316,7 +316,7 @@ class LogImporter:
         return HistoryHeader(
             policy=self.POLICY,
             complete=False,
-            features={"observed"},
+            features=frozenset({"observed"}),
             observed=self.observation() if observation is None else observation,
             extra={
                 "description": f"imported from a {self.ENGINE} log by pdproto import",
@@ -369,7 +369,7 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
         # engine can show, so the writer checks each event against it; the
         # final header (what this log showed) replaces that line.
         widest = importer.header(importer.observation(importer.KINDS + importer.DEBUG_KINDS))
-        writer = HistoryWriter(spool, widest)
+        writer = HistoryWriter(spool, widest)  # type: ignore[arg-type]  # the writer only calls write()
         observed, features = widest.observed, widest.features
         written: set[str] = set()
         add_kind = written.add
@@ -390,6 +390,7 @@ def run_import(importer: LogImporter, log: str, out: str | IO[str] | None = None
             ) from None
         spooled = spool.file
         header = importer.header()
+        assert header.observed is not None  # an imported history is partial
         keep = frozenset(header.observed.kinds)
         left_out = importer.left_out()
         spooled.seek(0)

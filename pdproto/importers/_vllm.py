@@ -271,7 +271,7 @@ class VllmImporter(LogImporter):
             return d_request
         return name
 
-    def _request_finished(self, match: re.Match[str]) -> list:
+    def _request_finished(self, match: re.Match[str]) -> list | None:
         request, status, params = match.group(1), _status(match.group(2)), match.group(3)
         if params.strip() in ("None", "{}", ""):
             return []  # not a P/D request

@@ -609,7 +609,8 @@ CLEANUP_RULES = (
         H,
         "every worker",
         "the generation ended (any path), or its transfer ended after it did",
-        "every worker sees the token: the initiator aborts a transfer in flight; then free_source, free_target",
+        "every worker sees the token: the initiator aborts a transfer in flight; then free_source, "
+        "free_target",
         ("transfer_abort",),
         None,
         cleanup,

@@ -161,7 +161,8 @@ class Roofline:
             raise UsageError(
                 "tp",
                 self.tp,
-                f"a TP large enough for {self.model.name}'s {weights_gib * self.tp:.0f} GiB of weights to fit "
+                f"a TP large enough for {self.model.name}'s {weights_gib * self.tp:.0f} GiB of "
+                "weights to fit "
                 f"{self.device.name}'s {self.device.memory_gib:g} GiB per device",
             )
         m = self.model

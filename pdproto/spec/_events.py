@@ -441,7 +441,10 @@ def _unchecked_maker(cls: type) -> Callable[..., Event]:
     fields = [a for a in attrs.fields(cls) if a.name != "extra"]
     params = ", ".join(a.name if a.default is attrs.NOTHING else f"{a.name}={a.default!r}" for a in fields)
     stores = "".join(f"    _set_{a.name}(obj, {a.name})\n" for a in fields)
-    source = f"def {cls.__name__}_unchecked({params}):\n    obj = _new(_cls)\n{stores}    _set_extra(obj, {{}})\n    return obj\n"
+    source = (
+        f"def {cls.__name__}_unchecked({params}):\n"
+        f"    obj = _new(_cls)\n{stores}    _set_extra(obj, {{}})\n    return obj\n"
+    )
     namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_set_extra": cls.extra.__set__}
     for a in fields:
         namespace[f"_set_{a.name}"] = getattr(cls, a.name).__set__  # the slot's own store
@@ -642,7 +645,10 @@ _INT_ONLY = frozenset((int,))
 _SCALARS = frozenset((str, int, float, bool, type(None)))
 
 _FAST_CHECK = {
-    _OPT_BLOCKS: "({v} is None or (type({v}) is list and (not {v} or (set(map(type, {v})) <= _INT_ONLY and min({v}) >= 0))))",
+    _OPT_BLOCKS: (
+        "({v} is None or (type({v}) is list and (not {v} or "
+        "(set(map(type, {v})) <= _INT_ONLY and min({v}) >= 0))))"
+    ),
     _STR: "(type({v}) is str and {v} != '')",
     _NAT: "(type({v}) is int and {v} >= 0)",
     _BLOCKS: "(type({v}) is list and (not {v} or (set(map(type, {v})) <= _INT_ONLY and min({v}) >= 0)))",

@@ -1573,7 +1573,8 @@ class Monitor:
                         "foreign-block-access",
                         line,
                         f"share of {_fmt_gen(key)} takes block {b} on {worker!r}, which transfer(s) "
-                        f"{', '.join(map(repr, others))} of {_gens_text({self._transfers[t].gen for t in others})} "
+                        f"{', '.join(map(repr, others))} of "
+                        f"{_gens_text({self._transfers[t].gen for t in others})} "
                         f"can still write into: a shared prefix is never written",
                         [lines.get(("transfer", t)) for t in others],
                         request=key[0],

@@ -76,7 +76,8 @@ class Observation:
             missing = [n for n in known if n not in names and n not in OMITTABLE[kind]]
             if missing:
                 raise ValueError(
-                    f"fields.{kind} leaves out {missing}, which every {kind!r} records; it may leave out only "
+                    f"fields.{kind} leaves out {missing}, which every {kind!r} records; it may "
+                    "leave out only "
                     f"{', '.join(sorted(OMITTABLE[kind])) or 'nothing'}"
                 )
             need = ONE_OF_RECORDED.get(kind)
@@ -157,7 +158,8 @@ class Observation:
         kinds = obj.get("kinds")
         if type(kinds) is not list or not all(type(k) is str for k in kinds):
             raise HistoryFormatError(
-                f"observed.kinds must be a list of event kinds (some of {', '.join(EVENT_TYPES)}), got {kinds!r:.80}",
+                f"observed.kinds must be a list of event kinds (some of {', '.join(EVENT_TYPES)}), "
+                f"got {kinds!r:.80}",
                 field="observed.kinds",
                 value=kinds,
             )

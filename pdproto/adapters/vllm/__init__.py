@@ -12,9 +12,9 @@ require_vllm()
 from ._adapter import KNOWN as KNOWN  # noqa: E402
 from ._adapter import VllmAdapter as VllmAdapter  # noqa: E402
 from ._harness import VllmHarness as VllmHarness  # noqa: E402
-from ._scenarios import SCENARIOS as SCENARIOS
-from ._scenarios import expected as expected
-from ._scenarios import run_scenario as run_scenario
+from ._scenarios import SCENARIOS as SCENARIOS  # noqa: E402
+from ._scenarios import expected as expected  # noqa: E402
+from ._scenarios import run_scenario as run_scenario  # noqa: E402
 
 __all__ = [
     "SCENARIOS",

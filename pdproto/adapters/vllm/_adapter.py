@@ -544,7 +544,7 @@ class VllmAdapter:
                     g.committed = True
                     out.append(Commit(g.request, g.gen, g.ticket, worker))
         positions: dict[str, tuple[int, int]] = {}
-        for rid, n in so.num_scheduled_tokens.items():
+        for rid, _n in so.num_scheduled_tokens.items():
             req = sched.requests.get(rid)
             if req is not None:
                 position = req.num_computed_tokens - 1  # the token this step samples after
