@@ -98,7 +98,24 @@ def add_parser(sub: Any) -> None:
         metavar="N|P:D",
         help="N: explore on N worker processes, states partitioned by hash (same answers as "
         "the serial search; see docs/scaling.md); P:D: the model's prefill and decode worker "
-        "counts, e.g. 2:2, as in pdproto fuzz (give the flag twice for both)",
+        "counts, e.g. 2:2, as in pdproto fuzz (give the flag twice for both); --processes N "
+        "and --pd-workers P:D say each meaning alone",
+    )
+    p.add_argument(
+        "--processes",
+        type=positive_int,
+        action="append",
+        dest="workers",
+        metavar="N",
+        help="explore on N worker processes (the same as --workers N)",
+    )
+    p.add_argument(
+        "--pd-workers",
+        type=_pd_workers_value,
+        action="append",
+        dest="workers",
+        metavar="P:D",
+        help="the model's prefill and decode worker counts, e.g. 2:2 (the same as --workers P:D)",
     )
     p.add_argument(
         "--ray",
@@ -289,6 +306,16 @@ def _workers_value(text: str) -> Any:
         except UsageError as exc:
             raise argparse.ArgumentTypeError(f"{text!r} is not {exc.allowed}") from None
     return positive_int(text)
+
+
+def _pd_workers_value(text: str) -> tuple[int, int]:
+    """--pd-workers P:D: the model's prefill and decode worker counts."""
+    from ._fuzz import parse_workers
+
+    try:
+        return parse_workers(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {exc.allowed}") from None
 
 
 def _split_workers(values: list | None) -> tuple[int | None, tuple[int | None, int | None]]:

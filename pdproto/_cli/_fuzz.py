@@ -56,7 +56,24 @@ def add_parser(sub: Any) -> None:
         action="append",
         help="N: split the examples over N worker processes (distinct seeds derived from "
         "--seed, one example database, merged counts); P:D: the model's prefill and decode "
-        "worker counts, e.g. 2:2 (give the flag twice for both)",
+        "worker counts, e.g. 2:2 (give the flag twice for both); --processes N and "
+        "--pd-workers P:D say each meaning alone",
+    )
+    p.add_argument(
+        "--processes",
+        type=_processes_value,
+        action="append",
+        dest="workers",
+        metavar="N",
+        help="split the examples over N worker processes (the same as --workers N)",
+    )
+    p.add_argument(
+        "--pd-workers",
+        type=_pd_workers_value,
+        action="append",
+        dest="workers",
+        metavar="P:D",
+        help="the model's prefill and decode worker counts, e.g. 2:2 (the same as --workers P:D)",
     )
     p.add_argument(
         "--ray",
@@ -139,6 +156,25 @@ def add_parser(sub: Any) -> None:
 
 #: flags that configure a model, and so mean nothing with --adapter
 MODEL_ONLY = ("requests", "workers", "blocks", "policy", "faults", "coverage_exhaustive", "transformer")
+
+
+def _processes_value(text: str) -> str:
+    """--processes N: a worker process count (kept as text, as --workers N is)."""
+    try:
+        parse_int(text, "--processes", minimum=1)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {exc.allowed}") from None
+    return text
+
+
+def _pd_workers_value(text: str) -> str:
+    """--pd-workers P:D: the model's prefill and decode worker counts (kept as
+    text, as --workers P:D is)."""
+    try:
+        parse_workers(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {exc.allowed}") from None
+    return text
 
 
 def split_workers(values: list[str] | None) -> tuple[int | None, str | None]:

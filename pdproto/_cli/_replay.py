@@ -148,12 +148,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"longest history line accepted, in bytes (default {MAX_LINE_BYTES:,})",
     )
     p.add_argument(
+        "--transformer",
         "--model",
+        dest="model",
         metavar="NAME|PATH",
         help="also run a real transformer: prefill on P, its real KV through the history's "
         "blocks, decode on D, logits compared bit for bit with a colocated run "
         "(logit-divergence): tiny-llama, tiny-qwen2, tiny-mistral, smollm2-135m, or a local "
-        "Hugging Face model folder (needs pdproto[model]; nothing is downloaded)",
+        "Hugging Face model folder (needs pdproto[model]; nothing is downloaded; --model is "
+        "the same flag)",
     )
     p.add_argument(
         "--adapter",

@@ -81,10 +81,12 @@ def add_parser(sub: Any) -> None:
 
     s = p.add_argument_group("system")
     s.add_argument(
+        "--llm",
         "--model",
+        dest="model",
         default="llama-3-8b",
         metavar="NAME",
-        help="model (the cost model's presets; default llama-3-8b)",
+        help="the LLM served (the cost model's presets; default llama-3-8b; --model is the same flag)",
     )
     s.add_argument(
         "--device",
