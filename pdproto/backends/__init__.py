@@ -4,15 +4,17 @@ The torch backend needs the ``torch`` extra (``pip install 'pdproto[torch]'``),
 the model backend (a real transformer beside it) the ``model`` extra; their
 names are loaded on first use, so importing this package imports neither
 torch nor transformers.  The transports of the torch backend (``copy``,
-``nixl``, ``mooncake``: :func:`make_transport`) are in ``._transport``,
-``._nixl`` and ``._mooncake`` (the ``nixl`` and ``mooncake`` extras).
+``nixl``, ``mooncake``: :func:`make_transport`) come from the registry in
+``._registry``; their classes are in ``._transport``, ``._nixl`` and
+``._mooncake`` (the ``nixl`` and ``mooncake`` extras).
 """
 
 from __future__ import annotations
 
 from .._errors import MissingExtraError
 from .._errors import TransportError as TransportError
-from ._transports_table import TRANSPORTS as TRANSPORTS
+from ._registry import TRANSPORTS as TRANSPORTS
+from ._registry import make_transport as make_transport
 
 __all__ = [
     "require_torch",
@@ -54,7 +56,7 @@ _LAZY = {
 }
 _LAZY.update({name: "._transformer" for name in ("LOGIT_DIVERGENCE", "LogitDivergence", "ModelBackend")})
 _LAZY.update({name: "._builtin_models" for name in ("BUILTIN_MODELS", "LoadedModel")})
-_LAZY.update({name: "._transport" for name in ("Transport", "TransportStatistics", "make_transport")})
+_LAZY.update({name: "._transport" for name in ("Transport", "TransportStatistics")})
 
 _LAZY["load_transformer"] = "._builtin_models"
 _LAZY["torch_threads"] = "._torch"

@@ -99,7 +99,8 @@ from ..spec import (
     TransferWriteDone,
     Violation,
 )
-from ._transport import RAW, BlockMove, CopyTransport, Transfer, Transport, make_transport
+from ._registry import make_transport
+from ._transport import RAW, BlockMove, CopyTransport, Transfer, Transport
 
 __all__ = [
     "KV_CORRUPTION",

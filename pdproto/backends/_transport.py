@@ -27,7 +27,6 @@ it again (``restart``).
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -36,10 +35,8 @@ import attrs
 import torch
 
 from .._errors import TransportError, UsageError
-from ._transports_table import TRANSPORTS
 
 __all__ = [
-    "TRANSPORTS",
     "BlockMove",
     "Transfer",
     "Transport",
@@ -47,7 +44,6 @@ __all__ = [
     "Registered",
     "TransportError",
     "TransportStatistics",
-    "make_transport",
     "block_views",
     "byte_runs",
 ]
@@ -378,21 +374,6 @@ def _copy_move(m: BlockMove) -> None:
             return
     for d, s in block_views(m):
         d.copy_(s)
-
-
-def make_transport(name: str | Transport | None, **options: Any) -> Transport:
-    """The transport called ``name`` (``copy``, ``nixl``, ``mooncake``), or
-    ``name`` itself when it is one already.  A missing library is a
-    :class:`~pdproto.MissingExtraError` naming its extra."""
-    if name is None or name == "copy":
-        return CopyTransport()
-    if isinstance(name, Transport):
-        return name
-    if name == "nixl":
-        return importlib.import_module("pdproto.backends._nixl").NixlTransport(**options)
-    if name == "mooncake":
-        return importlib.import_module("pdproto.backends._mooncake").MooncakeTransport(**options)
-    raise UsageError("--transport", name, "one of " + ", ".join(TRANSPORTS))
 
 
 def byte_runs(d: torch.Tensor, s: torch.Tensor) -> tuple[Any, Any, int]:
