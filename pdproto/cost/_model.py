@@ -188,7 +188,7 @@ class KVShape:
         """
         key = name.strip().lower() if isinstance(name, str) else name
         try:
-            return PRESETS[key]  # type: ignore[index]
+            return PRESETS[key]
         except (KeyError, TypeError):
             raise UsageError("preset", name, f"one of {', '.join(PRESETS)}") from None
 

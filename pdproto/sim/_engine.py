@@ -298,6 +298,10 @@ class _Req:
         "xs",
         "xe",
     )
+    # None until the request leaves the reservation queue (PD) or is queued on an instance
+    # (colocated), then never reset: the P (colocated: the only) instance, and PD's D instance
+    p: _Inst | None
+    d: _Inst | None
 
     def __init__(self, r: Any) -> None:
         self.id = r.id
@@ -722,9 +726,9 @@ class _Sim:
         if self.metrics is not None:
             for inst in self.insts:
                 self.metrics.busy(inst.name, inst.busy_time)
-            for k, v in self.faults.items():
-                if v:
-                    self.metrics.count(k, v)
+            for k, count in self.faults.items():
+                if count:
+                    self.metrics.count(k, count)
         return self.result(wall)
 
     def next_arrival(self) -> None:
@@ -877,6 +881,7 @@ class _Sim:
                 pass
         elif r.state == _PQ:
             inst = r.p
+            assert inst is not None  # set when it was queued (a rejection: not a hot path)
             self.account(inst)
             try:
                 inst.waiting.remove(r)
@@ -884,6 +889,7 @@ class _Sim:
             except ValueError:
                 pass
             if self.cfg.arm == "pd":
+                assert r.d is not None  # PD: reserved before it was queued on a P
                 self.release(r.d, r.dblocks, r)
         r.rejected = True
         self.faults["rejected"] += 1
@@ -922,15 +928,18 @@ class _Sim:
             self.done(r)
         elif st == _PQ:
             inst = r.p
+            assert inst is not None  # set when it was queued (a cancel: not a hot path)
             self.account(inst)
             inst.waiting.remove(r)
             inst.qtok -= r.plen
             if pd:
+                assert r.d is not None  # PD: reserved before it was queued on a P
                 self.release(r.d, r.dblocks, r)
             else:
                 self.release(inst, r.dblocks, r)
             self.done(r)
         elif st == _COORD:
+            assert r.p is not None and r.d is not None  # prefilled on P, reserved on D
             self.release(r.p, r.pblocks, r)
             self.release(r.d, r.dblocks, r)
             self.done(r)
@@ -941,6 +950,7 @@ class _Sim:
             self.stop_transfer(r)
             if self.ev_on:
                 self.emit(TransferFailed.unchecked(r.xid), r)
+            assert r.p is not None and r.d is not None  # transferring from P to D
             self.release(r.p, r.pblocks, r)
             self.release(r.d, r.dblocks, r)
             self.done(r)
@@ -1408,6 +1418,7 @@ class _Sim:
         pd = inst.role == "prefill"
         if r.cancelled:
             if pd:
+                assert r.d is not None  # PD: reserved before its prefill (a cancel: not a hot path)
                 self.release(inst, r.pblocks, r)
                 self.release(r.d, r.dblocks, r)
             else:
@@ -1421,6 +1432,7 @@ class _Sim:
             if pd:
                 if self.ev_on:
                     self.emit(Finish.unchecked(r.id, r.gen, "length"), r)
+                assert r.d is not None  # PD: reserved before its prefill (one-token output: rare)
                 self.release(inst, r.pblocks, r)
                 self.release(r.d, r.dblocks, r)
             else:
@@ -1447,12 +1459,19 @@ class _Sim:
         if self.ev_on:
             self.emit(
                 TransferStart.unchecked(
-                    r.xid, r.ticket, r.id, r.gen, r.p.name, tuple(r.pblocks), r.d.name, tuple(r.dblocks)
+                    r.xid,
+                    r.ticket,
+                    r.id,
+                    r.gen,
+                    r.p.name,  # type: ignore[union-attr]  # _COORD: prefilled on r.p
+                    tuple(r.pblocks),
+                    r.d.name,  # type: ignore[union-attr]  # _COORD: reserved on r.d
+                    tuple(r.dblocks),
                 ),
                 r,
             )
         nbytes = float(self.kv_tok * r.plen)
-        eg = r.p.egress
+        eg: _Egress = r.p.egress  # type: ignore[union-attr, assignment]  # r.p: a P instance, egress set
         if cfg.layerwise:
             share = eg.bw / (len(eg.active) + 1)
             nbytes = max(nbytes / self.layers, nbytes - r.pre_dur * share)
@@ -1483,7 +1502,7 @@ class _Sim:
             self.push(self.now + max(left, 0.0) * n / eg.bw, _XDONE, eg, eg.version)
 
     def xfer_join(self, r: _Req) -> None:
-        eg = r.p.egress
+        eg: _Egress = r.p.egress  # type: ignore[union-attr, assignment]  # r.p: a P instance, egress set
         self.advance(eg)
         eg.active[r] = r.xbytes
         if len(eg.active) > eg.peak:
@@ -1491,7 +1510,9 @@ class _Sim:
         self.reschedule(eg)
 
     def stop_transfer(self, r: _Req) -> None:
+        assert r.p is not None  # transferring from r.p (a cancel or a timeout: not a hot path)
         eg = r.p.egress
+        assert eg is not None  # a P instance
         if r in eg.active:
             self.advance(eg)
             del eg.active[r]
@@ -1511,7 +1532,7 @@ class _Sim:
         # the transfer ran to its end: counted here, once, with the time an
         # uncontended link would have taken (queueing = the difference)
         took = self.now - r.xready
-        ideal = self.cfg.latency_ms / 1e3 + r.xbytes / r.p.egress.bw
+        ideal = self.cfg.latency_ms / 1e3 + r.xbytes / r.p.egress.bw  # type: ignore[union-attr]  # P, egress set
         nbytes = int(self.kv_tok * r.plen)
         x = self.xfer
         x["count"] += 1
@@ -1527,7 +1548,9 @@ class _Sim:
         if r.xe is None:
             r.xe = self.now
         ev = self.ev_on
-        p, d = r.p, r.d
+        p: _Inst
+        d: _Inst
+        p, d = r.p, r.d  # type: ignore[assignment]  # _XFER: both ends are set
         if ev:
             self.emit(TransferReadDone.unchecked(r.xid), r)
         self.release(p, r.pblocks, r)
@@ -1550,6 +1573,7 @@ class _Sim:
         if ev:
             self.emit(TransferFailed.unchecked(r.xid), r)
             self.emit(Fail.unchecked(r.id, r.gen, "transfer timeout" if timeout else "transfer failed"), r)
+        assert r.p is not None and r.d is not None  # transferring from P to D (a fault: not a hot path)
         self.release(r.p, r.pblocks, r)
         self.release(r.d, r.dblocks, r)
         # the first token of this generation was delivered; the retry recomputes it with the prompt
@@ -1596,7 +1620,7 @@ class _Sim:
             for name, q, kv, busy in rows:
                 samples.append((ts, name, q, kv, busy))
             if metrics is not None:
-                for (set_q, set_kv, cap), (_, q, kv, _) in zip(gauges, rows):
+                for (set_q, set_kv, cap), (_, q, kv, _) in zip(gauges, rows):  # type: ignore[arg-type]  # set above when metrics is not None
                     set_q(ts, q)
                     set_kv(ts, kv * cap)
             if len(self.samples) > 8000:  # bounded: keep every other sample time, sample half as often
@@ -1640,7 +1664,9 @@ class _Sim:
             "bytes": x["bytes"],
             "mean_ms": x["time"] / x["count"] * 1e3 if x["count"] else 0.0,
             "mean_queueing_ms": max(0.0, x["time"] - x["ideal"]) / x["count"] * 1e3 if x["count"] else 0.0,
-            "peak_concurrent": max((p.egress.peak for p in self.P), default=0) if self.cfg.arm == "pd" else 0,
+            "peak_concurrent": max((p.egress.peak for p in self.P), default=0)  # type: ignore[union-attr]  # P instances have an egress
+            if self.cfg.arm == "pd"
+            else 0,
             "bandwidth_gibps": self.cfg.bandwidth_gibps * self.cfg.links,
             "layerwise": self.cfg.layerwise,
         }

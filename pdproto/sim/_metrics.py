@@ -153,7 +153,7 @@ class RequestRecord:
 def _optional_bound(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if value is None:
         return
-    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type]
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type, operator]  # mypy does not narrow on type() in (...)
         raise UsageError(f"SLO {attr.name}", value, "a finite number of seconds > 0, or None")
 
 

@@ -322,7 +322,7 @@ def signals(result: SimResult) -> list[dict[str, Any]]:
     dkv = [s[3] for s in samples if s[1] == "decode"]
     dbusy = [s[4] for s in samples if s[1] == "decode"]
     q1, q2 = _halves(pq)
-    out = []
+    out: list[dict[str, Any]] = []
     # P saturated with a standing queue (or a queue still growing at the end) while D idles
     grow = (p["utilisation"] >= 0.9 and p["mean_queue"] >= 2.0) or q2 > max(2.0, 1.5 * q1)
     out.append(

@@ -324,9 +324,11 @@ class Lengths:
             return lambda: v
         if self.kind == "uniform":
             lo, hi, randint = self.low, self.high, rng.randint
+            assert hi is not None  # a uniform length has a high bound (__attrs_post_init__)
             return lambda: randint(lo, hi)
         if self.kind == "lognormal":
-            mu, sigma, lo = math.log(self.median), self.sigma, self.low  # type: ignore[arg-type]
+            assert self.median is not None and self.sigma is not None  # checked by __attrs_post_init__
+            mu, sigma, lo = math.log(self.median), self.sigma, self.low
             hi = self.high if self.high is not None else MAX_LEN
             draw = rng.lognormvariate
 
@@ -561,8 +563,13 @@ def _read_jsonl(
         try:
             obj = json.loads(text)
         except ValueError as exc:
+            # json.loads also raises a plain ValueError (an integer of more than 4300 digits),
+            # which has no .msg
             raise TraceFormatError(
-                f"not JSON ({exc.msg})", source=source, line=number, value=text[:40]
+                f"not JSON ({getattr(exc, 'msg', exc)})",
+                source=source,
+                line=number,
+                value=text[:40],
             ) from None
         if not isinstance(obj, dict):
             raise TraceFormatError("not a JSON object", source=source, line=number, value=text[:40])
@@ -579,9 +586,9 @@ def _read_jsonl(
                     line=number,
                     value=text[:80],
                 )
-        for k in keys[:3]:
-            if k not in obj:
-                raise TraceFormatError("missing key", source=source, line=number, field=k)
+        for key in keys[:3]:
+            if key not in obj:
+                raise TraceFormatError("missing key", source=source, line=number, field=key)
         t = obj[keys[0]]
         if type(t) not in (int, float) or not math.isfinite(t) or not 0 <= t * keys[3] <= MAX_TIME:
             raise TraceFormatError(

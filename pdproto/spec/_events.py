@@ -158,6 +158,9 @@ class Event:
     __slots__ = ()
     EV: ClassVar[str] = ""
     FIELDS: ClassVar[Mapping[str, str]] = {}
+    #: ``Kind.unchecked(*fields)``: the event built without checking its fields, for
+    #: trusted producers (set on each kind below, see :func:`_unchecked_maker`)
+    unchecked: ClassVar[Callable[..., Event]]
 
     def to_dict(self) -> dict[str, Any]:
         """The event's JSON object: ``"ev"`` first, optional fields left out
