@@ -257,6 +257,8 @@ def test_write_jsonl_round_trips(tmp_path: pathlib.Path) -> None:
         ('{"arrival": 0, "prompt_len": 1, "output_len": 1}\n{"arrival": 1, "prompt_len": 2.5, "output_len": 1}\n',
          2, "prompt_len"),
         ('{"arrival": 0, "prompt_len": 1, "output_len": 1}\n{broken\n', 2, None),
+        # json.loads rejects an integer of more than 4300 digits with a plain ValueError
+        ('{"arrival": 0, "prompt_len": 1, "output_len": 1}\n{"arrival": ' + "9" * 5000 + '}\n', 2, None),
         ('[1, 2]\n', 0, None),
         ('{"start": 0}\n', 1, None),
     ],
