@@ -302,17 +302,7 @@ def import_cycles(modules: dict[str, tuple[str, bool]]) -> list[list[str]]:
 PACKAGES = sorted({_top_package(module_name(p)) for p in SOURCES if "." in module_name(p)})
 
 
-#: the packages that still have an import cycle (issue 28 in progress)
-_CYCLIC = {"pdproto.drivers", "pdproto.spec"}
-
-
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(reason="issue 28 in progress", strict=True)) if p in _CYCLIC else p
-        for p in PACKAGES
-    ],
-)
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycle_inside_a_package(package):
     modules = {module_name(p): (p.read_text(), p.name == "__init__.py") for p in SOURCES}
     cycles = [c for c in import_cycles(modules) if _top_package(c[0]) == package]

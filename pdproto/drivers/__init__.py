@@ -25,11 +25,11 @@ from ._explore import explore as explore
 from ._explore import rename_monitor_key as rename_monitor_key
 from ._explore import rerun as rerun
 from ._explore import trace_header as trace_header
-from ._fuzz import FuzzResult as FuzzResult
-from ._fuzz import FuzzStats as FuzzStats
-from ._fuzz import HandoffFailure as HandoffFailure
 from ._fuzz import fuzz as fuzz
-from ._fuzz import reachable_states as reachable_states
+from ._fuzz_results import FuzzResult as FuzzResult
+from ._fuzz_results import FuzzStats as FuzzStats
+from ._fuzz_results import HandoffFailure as HandoffFailure
+from ._fuzz_results import reachable_states as reachable_states
 from ._loader import ModelInfo as ModelInfo
 from ._loader import list_models as list_models
 from ._loader import load_model as load_model
@@ -54,6 +54,7 @@ __all__ = [
     "FuzzWorkerError",
     "max_local_workers",
     "merge",
+    "BudgetSlice",
     "plan",
     "split_examples",
     "worker_seed",
@@ -100,32 +101,34 @@ _LAZY = {
     "handoff_machine": "._machine",
     "uniform_machine": "._machine",
     "namespaced_database": "._hypothesis",
-    "import_ray": "._ray_fuzz",
+    "import_ray": "._remote",
     "corpus_dir": "._catalogue",
     "list_rows": "._catalogue",
     "run_corpus": "._catalogue",
-    "FuzzWorkerError": "._parallel_fuzz",
-    "max_local_workers": "._parallel_fuzz",
+    "FuzzWorkerError": "._fuzz_budget",
+    "max_local_workers": "._fuzz_budget",
     "merge": "._parallel_fuzz",
-    "plan": "._parallel_fuzz",
-    "split_examples": "._parallel_fuzz",
-    "worker_seed": "._parallel_fuzz",
+    "plan": "._fuzz_budget",
+    "split_examples": "._fuzz_budget",
+    "worker_seed": "._fuzz_budget",
+    "BudgetSlice": "._fuzz_budget",
 }
 
 
 if TYPE_CHECKING:  # the lazy names' real types, for the type checker
     from ._catalogue import corpus_dir, list_rows, run_corpus
-    from ._hypothesis import namespaced_database
-    from ._machine import handoff_machine, uniform_machine
-    from ._parallel_fuzz import (
+    from ._fuzz_budget import (
+        BudgetSlice,
         FuzzWorkerError,
         max_local_workers,
-        merge,
         plan,
         split_examples,
         worker_seed,
     )
-    from ._ray_fuzz import import_ray
+    from ._hypothesis import namespaced_database
+    from ._machine import handoff_machine, uniform_machine
+    from ._parallel_fuzz import merge
+    from ._remote import import_ray
 
 
 def __getattr__(name: str) -> Any:

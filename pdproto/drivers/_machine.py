@@ -41,7 +41,7 @@ from hypothesis.stateful import (
 
 from ..protocol import Action
 from ..spec import Event, Monitor, Violation, write_history
-from ._fuzz import FuzzStats, HandoffFailure, canonical_function, fault_kind, pick_failure
+from ._fuzz_results import FuzzStats, HandoffFailure, canonical_function, fault_kind, pick_failure
 from ._hypothesis import Draws, namespaced_database, phase_statistics
 
 #: How many progress steps teardown takes at most to reach quiescence.

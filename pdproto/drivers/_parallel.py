@@ -37,7 +37,8 @@ from typing import Any
 
 from .._errors import PdprotoError
 from ..spec import HistoryHeader, Monitor
-from ._parallel_shard import Shard, hash_seed_env
+from ._parallel_shard import Shard
+from ._remote import hash_seed_env
 from ._results import Counterexample, ExploreResult
 from ._traces import _counterexample
 from ._visited import _collision_probability

@@ -32,7 +32,6 @@ long as one that does.
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -42,106 +41,28 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
-
-from .._errors import PdprotoError, UsageError
+from .._errors import UsageError
 from ..spec import write_history
-from ._fuzz import PHASE_NAMES, FuzzResult, FuzzStats, HandoffFailure, fuzz_serial, reachable_states
-from ._parallel_shard import portable, rebuilt
-
-
-class FuzzWorkerError(PdprotoError):
-    """A worker of a parallel fuzz run failed with something other than a
-    violation: ``worker`` its number, ``detail`` its traceback."""
-
-    def __init__(self, worker: int, detail: str, summary: str | None = None) -> None:
-        self.worker = worker
-        self.detail = detail
-        lines = detail.strip().splitlines()
-        #: the error in one line (``Type: message``)
-        self.summary = summary or (lines[-1] if lines else "?")
-        super().__init__(f"fuzz worker {worker} failed: {self.summary}")
-
-
-def _summary(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def split_examples(examples: int, workers: int) -> list[int]:
-    """The examples of each of ``workers`` shares of ``examples`` (they add
-    up to ``examples``; the first ``examples % workers`` get one more).  At
-    most ``max(examples, 1)`` shares: a worker with no example gets no entry."""
-    if workers < 1:
-        raise UsageError("workers", workers, "an integer >= 1")
-    workers = min(workers, max(examples, 1))
-    base, extra = divmod(examples, workers)
-    return [base + (1 if i < extra else 0) for i in range(workers)]
-
-
-#: worker processes (or tasks of a local Ray instance) allowed per CPU of
-#: this machine: more only time-slice the same CPUs
-WORKERS_PER_CPU = 4
-
-
-def max_local_workers() -> int:
-    """The most workers a run on this machine may ask for:
-    :data:`WORKERS_PER_CPU` per CPU this process may use."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return WORKERS_PER_CPU * max(cpus, 1)
-
-
-def check_local_workers(workers: int) -> None:
-    """:class:`UsageError` naming ``workers`` when it is far above this
-    machine's CPUs (:func:`max_local_workers`)."""
-    limit = max_local_workers()
-    if workers > limit:
-        raise UsageError(
-            "workers",
-            workers,
-            f"at most {limit} on this machine ({WORKERS_PER_CPU} per CPU; "
-            "a Ray cluster's address takes more)",
-        )
-
-
-def worker_seed(seed: int, worker: int) -> int:
-    """Worker ``worker``'s seed: 32 bits of a SHA-256 digest of the run's
-    seed and the worker's number (distinct per worker, the same every run)."""
-    digest = hashlib.sha256(f"pdproto-fuzz:{seed}:{worker}".encode()).digest()
-    return int.from_bytes(digest[:4], "big")
-
-
-@attrs.frozen
-class Share:
-    """What one worker runs: its number, examples and seed."""
-
-    worker: int
-    examples: int
-    seed: int
-
-
-def plan(examples: int, workers: int, seed: int) -> list[Share]:
-    """The shares of a run (workers with no example left out)."""
-    return [Share(i, n, worker_seed(seed, i)) for i, n in enumerate(split_examples(examples, workers)) if n]
-
-
-def run_share(model: Any, share: Share, options: dict[str, Any]) -> FuzzResult:
-    """Fuzz ``model`` (or what :func:`portable` made of it) for one share:
-    what a worker process or Ray task runs."""
-    model = rebuilt(model)
-    # seeded, and still on the shared database (a serial seeded run is not)
-    return fuzz_serial(
-        model, examples=share.examples, seed=share.seed, stats=FuzzStats(), seeded_database=True, **options
-    )
-
+from ._fuzz_budget import (
+    WORKERS_PER_CPU,
+    BudgetSlice,
+    FuzzWorkerError,
+    Share,
+    _summary,
+    check_local_workers,
+    max_local_workers,
+    plan,
+    run_share,
+    split_examples,
+    worker_seed,
+)
+from ._fuzz_results import PHASE_NAMES, FuzzResult, FuzzStats, HandoffFailure, reachable_states
+from ._remote import portable
 
 # -- worker processes --------------------------------------------------------------
 
 
-def _child(conn: Any, model: Any, share: Share, options: dict[str, Any]) -> None:
+def _child(conn: Any, model: Any, share: BudgetSlice, options: dict[str, Any]) -> None:
     try:
         reply = (True, run_share(model, share, options))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -153,7 +74,7 @@ def _child(conn: Any, model: Any, share: Share, options: dict[str, Any]) -> None
     conn.close()
 
 
-def run_processes(model: Any, shares: Sequence[Share], options: dict[str, Any]) -> list[FuzzResult]:
+def run_processes(model: Any, shares: Sequence[BudgetSlice], options: dict[str, Any]) -> list[FuzzResult]:
     """Run each share in a worker process of this machine (forked where the
     platform can: the model is not pickled then) and return their results
     in share order.  Replies are read as they come: the first worker that
@@ -210,7 +131,7 @@ def run_processes(model: Any, shares: Sequence[Share], options: dict[str, Any]) 
 
 def merge(
     results: Sequence[FuzzResult],
-    shares: Sequence[Share],
+    shares: Sequence[BudgetSlice],
     *,
     workers: int,
     seed: int,
@@ -344,6 +265,7 @@ def fuzz_parallel(
 __all__ = [
     "fuzz_parallel",
     "FuzzWorkerError",
+    "BudgetSlice",
     "Share",
     "plan",
     "split_examples",

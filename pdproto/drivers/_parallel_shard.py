@@ -25,7 +25,6 @@ and the batch format.
 
 from __future__ import annotations
 
-import os
 import pickle
 from array import array
 from collections.abc import Callable
@@ -43,27 +42,6 @@ from ._search import (
     _symmetry_hooks,
 )
 from ._visited import _BAD, _PAIR, _flat_type, _unpack, _Visited
-
-
-def portable(model: Any) -> Any:
-    """What to send to another interpreter (a worker process, a Ray actor or
-    task) for ``model``: ``("build", class, config)`` for a
-    :class:`~pdproto.HandoffModel` (or a subclass that keeps its
-    constructor), whose rule caches are keyed by object identity and do not
-    survive pickling; ``("model", model)`` otherwise.  :func:`rebuilt` undoes it."""
-    from ..protocol import HandoffModel
-
-    if isinstance(model, HandoffModel) and type(model).__init__ is HandoffModel.__init__:
-        return ("build", type(model), model.config)
-    return ("model", model)
-
-
-def rebuilt(sent: Any) -> Any:
-    """The model :func:`portable` sent (anything else is returned as it is)."""
-    if isinstance(sent, tuple) and len(sent) in (2, 3) and sent[0] in ("build", "model"):
-        return sent[1](sent[2]) if sent[0] == "build" else sent[1]
-    return sent
-
 
 #: the kinds of finding, in the order a shard reports them
 KINDS = ("violation", "state-invariant", "deadlock")
@@ -450,8 +428,3 @@ class _Batch:
             (table, self.states, self.mids, self.pgids, self.ais, self.bads, self.cstates, self.rmids),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
-
-
-def hash_seed_env() -> dict[str, str]:
-    """The environment a spawned worker needs to hash like its peers."""
-    return {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}

@@ -19,21 +19,12 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import MissingExtraError, PdprotoError
-from ._parallel_shard import Shard, hash_seed_env, portable, rebuilt
-
-
-def import_ray() -> Any:
-    """The ``ray`` module, or :class:`~pdproto.MissingExtraError`."""
-    try:
-        import ray
-    except ImportError:
-        raise MissingExtraError("pdproto check --ray", "ray", "ray") from None
-    return ray
+from .._errors import PdprotoError
+from ._parallel_shard import Shard
+from ._remote import hash_seed_env, import_ray, pickle_by_value, portable, rebuilt
 
 
 class _ShardActor:
@@ -58,34 +49,11 @@ class _ShardActor:
         return self.shard.merge(ray.get(refs) if refs else [])
 
 
-def _by_value(model: Any) -> None:
-    """Let Ray pickle the model's module by value when a fresh process could
-    not import it by name (a model file loaded from a path)."""
-    try:
-        from ray import cloudpickle
-    except ImportError:  # pragma: no cover - Ray without its cloudpickle
-        return
-    name = getattr(type(model), "__module__", "") or ""
-    # pdproto's own modules import by name in the actors; the catalogue may not:
-    # run from a checkout, the loader loads the repository's models/ as
-    # pdproto.models, which a fresh process finds nowhere (pdproto/ has no models/)
-    if (name.startswith(("pdproto.", "builtins")) or name == "pdproto") and not name.startswith(
-        "pdproto.models."
-    ):
-        return
-    mod = sys.modules.get(name)
-    if mod is not None:
-        try:
-            cloudpickle.register_pickle_by_value(mod)
-        except (ValueError, TypeError):  # already registered, or not a module
-            pass
-
-
 class RayPool:
     """``n`` shard actors on a Ray instance (see the module doc)."""
 
     def __init__(self, model: Any, template: Any, n: int, opts: dict[str, Any], address: str | None) -> None:
-        ray = self.ray = import_ray()
+        ray = self.ray = import_ray("pdproto check --ray")
         self.n = n
         self.started = False
         if not ray.is_initialized():
@@ -101,7 +69,7 @@ class RayPool:
             except (ConnectionError, ValueError, RuntimeError) as exc:
                 raise PdprotoError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
             self.started = True
-        _by_value(model)
+        pickle_by_value(model)
         actor = ray.remote(num_cpus=1)(_ShardActor)
         env = {"env_vars": hash_seed_env()}
         shipped = ray.put(portable(model))

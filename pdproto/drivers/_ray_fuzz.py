@@ -19,19 +19,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._errors import MissingExtraError, UsageError
-from ._fuzz import FuzzResult
-from ._parallel_fuzz import FuzzWorkerError, Share, _summary, plan, portable, run_share
-from ._ray import _by_value
-
-
-def import_ray() -> Any:
-    """The ``ray`` module, or :class:`~pdproto.MissingExtraError`."""
-    try:
-        import ray
-    except ImportError:
-        raise MissingExtraError("pdproto fuzz --ray", "ray", "ray") from None
-    return ray
+from .._errors import UsageError
+from ._fuzz_budget import BudgetSlice, FuzzWorkerError, _summary, plan, run_share
+from ._fuzz_results import FuzzResult
+from ._remote import import_ray, pickle_by_value, portable
 
 
 def run_ray(
@@ -42,7 +33,7 @@ def run_ray(
     options: dict[str, Any],
     *,
     address: str | None = None,
-) -> tuple[list[FuzzResult], list[Share], int]:
+) -> tuple[list[FuzzResult], list[BudgetSlice], int]:
     """Run the shares of ``examples`` (over ``workers`` tasks, default: the
     cluster's CPUs) as Ray tasks; their results and the shares, in order,
     and the workers asked for (the cluster's CPUs when ``workers`` is None)."""
@@ -73,7 +64,7 @@ def run_ray(
         if workers is None:
             workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
         shares = plan(examples, workers, seed)
-        _by_value(model)  # a model file that is not an importable module travels by value
+        pickle_by_value(model)  # a model file that is not an importable module travels by value
         task = ray.remote(num_cpus=1, max_retries=0)(run_share)
         model_ref = ray.put(portable(model))
         refs = [task.remote(model_ref, share, options) for share in shares]
@@ -93,4 +84,4 @@ def run_ray(
             ray.shutdown()
 
 
-__all__ = ["run_ray", "import_ray"]
+__all__ = ["run_ray", "import_ray"]  # import_ray: pdproto.drivers._remote's

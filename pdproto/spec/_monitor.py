@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from operator import attrgetter, itemgetter
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import attrs
 
@@ -394,6 +394,9 @@ class Monitor:
         "transfer": "id",
         "failed": "id",
     }
+    #: the monitor of a partial history, :class:`~pdproto.spec.PartialMonitor`
+    #: (set by :mod:`._partial`, which subclasses this one)
+    _PARTIAL: ClassVar[type[Monitor] | None] = None
     __slots__ = (
         (
             "policy",
@@ -473,9 +476,9 @@ class Monitor:
         ``observed``, an :class:`~pdproto.spec.Observation`, which overrides
         it) gets a :class:`~pdproto.spec.PartialMonitor`."""
         if observed is not None or header.observed is not None:
-            from ._partial import PartialMonitor
-
-            return PartialMonitor.from_header(
+            # PartialMonitor subclasses this one: it registers itself in
+            # _PARTIAL when its module is imported (the spec package imports it)
+            return Monitor._PARTIAL.from_header(  # type: ignore[union-attr]  # set by ._partial
                 header, policy=policy, complete=complete, skip=skip, observed=observed
             )
         return cls(skip=skip, **cls._settings(header, policy, complete))

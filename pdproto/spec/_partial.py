@@ -359,3 +359,6 @@ class PartialMonitor(Monitor):
                 gen=known,
             )
             self._forget_free(ev.request, worker)
+
+
+Monitor._PARTIAL = PartialMonitor  # what Monitor.from_header makes for a partial history
